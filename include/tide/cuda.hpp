@@ -1,0 +1,118 @@
+// The CUDA transport: the same per-rank programs as the host executor, run on GPUs.
+//
+//   CudaWindow    one cudaMalloc per rank (data, then the FlagWord array), mapped into every other
+//                 rank with CUDA IPC (or used directly when the peer is a thread of this process).
+//   CudaExecutor  enqueues a program on a stream: copy batches on the copy engines, casts and
+//                 reduces as kernels, signals/waits as stream memory operations on the flags, every
+//                 wait watched by a host thread that turns a stuck wait into TimeoutError/DesyncError.
+//
+// No CUDA header is needed to use this one: streams are passed as void* (a cudaStream_t), buffers
+// are device pointers. All results are bitwise identical to HostExecutor's on the same inputs.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tide/bootstrap.hpp"
+#include "tide/executor.hpp"
+#include "tide/window.hpp"
+
+namespace tide {
+
+// True when a CUDA device can be used. Never throws. Unless something in this process already
+// loaded the CUDA driver library (then the answer is asked in-process), the question is asked in a
+// forked child, so this process stays CUDA-free and may still fork() ranks that use CUDA afterwards
+// (a process that initialised CUDA cannot hand it to fork()ed children). The answer is cached.
+bool cuda_device_available();
+
+// A window in device memory: [data (data_bytes, rounded up to 256 B)][FlagWord flags[2][W]] per
+// rank in one cudaMalloc, on the device current when create() is called. Flags start zeroed.
+class CudaWindow {
+ public:
+  // Collective over `bootstrap`: every rank calls it with the same data_bytes (checked). Peers
+  // are opened with cudaIpcOpenMemHandle (peers in this same process: their pointer as is).
+  static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes);
+  // Unmaps the peers and frees this rank's memory. Destroy it only after every rank is done with
+  // the window (synchronize the executors, then a bootstrap barrier), or peers write into freed
+  // memory.
+  ~CudaWindow();
+  CudaWindow(const CudaWindow&) = delete;
+  CudaWindow& operator=(const CudaWindow&) = delete;
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int device() const { return device_; }
+  std::size_t data_bytes() const { return data_bytes_; }
+  std::byte* data(int rank) const;   // rank's data, as a device pointer valid in this process
+  FlagWord* flags(int rank) const;   // rank's flag array, as a device pointer valid in this process
+  // Epochs count collectives run on this window; they never reset.
+  uint64_t next_epoch() { return ++epoch_; }
+  uint64_t epoch() const { return epoch_; }
+
+ private:
+  CudaWindow() = default;
+  struct Peer {
+    std::byte* base = nullptr;
+    bool ipc_opened = false;  // true: close with cudaIpcCloseMemHandle; false: own or same process
+  };
+  int rank_ = 0;
+  int world_ = 0;
+  int device_ = 0;
+  std::size_t data_bytes_ = 0;
+  std::size_t flag_offset_ = 0;
+  std::vector<Peer> peers_;
+  uint64_t epoch_ = 0;
+};
+
+// Runs programs on a CUDA stream. run() is asynchronous: it validates, then enqueues and returns.
+// Inputs and outputs in Bindings are device pointers; they must stay valid until synchronize().
+// One thread at a time may call into an executor.
+class CudaExecutor final : public Executor {
+ public:
+  // Per-executor SM usage, for benchmarks: kernel time x CTAs launched, over the runs since the
+  // last reset_stats(), complete after synchronize(). Only measured while stats are enabled.
+  struct Stats {
+    double cast_cta_us = 0;    // CTA-microseconds of cast kernels
+    double reduce_cta_us = 0;  // CTA-microseconds of reduce kernels
+    int copies = 0;            // copy-engine copies enqueued
+    int kernel_launches = 0;
+  };
+
+  // `stream` is a cudaStream_t of the window's device (not the legacy default stream, which
+  // cudaMemcpyBatchAsync refuses; the executor then falls back to one cudaMemcpyAsync per copy).
+  CudaExecutor(CudaWindow& window, void* stream,
+               std::chrono::milliseconds timeout = default_timeout());
+  // Waits for enqueued work (a stuck wait still ends within the timeout), then stops the watchdog.
+  ~CudaExecutor() override;
+  CudaExecutor(const CudaExecutor&) = delete;
+  CudaExecutor& operator=(const CudaExecutor&) = delete;
+
+  int rank() const override;
+  int world() const override;
+  // Later runs go to `stream`; work already enqueued stays where it is (synchronize() waits for it).
+  void set_stream(void* stream);
+  void* stream() const;
+
+  // validate_run(...) first (throws InvalidArgument before anything is enqueued), then the error
+  // of an earlier run if the watchdog stored one, then enqueues the program on the stream.
+  void run(const Program& program, const Bindings& bindings) override;
+  // Waits for every stream this executor enqueued work on; throws the watchdog's TimeoutError or
+  // DesyncError if a wait got stuck (then every later call throws it too: the window's epochs are
+  // out of step with the peers', so make a new window and executor). Never hangs: a stuck wait is
+  // released by the watchdog once it has timed out.
+  void synchronize();
+
+  void enable_stats(bool enabled);
+  Stats stats();  // synchronizes first
+  void reset_stats();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tide

@@ -1,0 +1,58 @@
+// TIDE: zero-copy collectives for FSDP2. The public C++ contract in one header.
+//
+// Layers (each depends only on those before it; see docs/ARCHITECTURE.md):
+//   layout.hpp     params + topology -> shard sizes, padding, param-major window offsets, slots
+//   plan.hpp       a collective on a layout -> a per-rank program (copies, signals, waits, reduces)
+//   bootstrap.hpp  exchange of bytes between ranks at set-up time
+//   window.hpp     a buffer + flags mapped into every rank (host: POSIX shm)
+//   executor.hpp   runs programs (host executor here; cuda.hpp for GPUs)
+//   tide.hpp       AllGather / ReduceScatter: a planned collective bound to an executor
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "tide/bootstrap.hpp"
+#include "tide/dtype.hpp"
+#include "tide/error.hpp"
+#include "tide/executor.hpp"
+#include "tide/layout.hpp"
+#include "tide/plan.hpp"
+#include "tide/window.hpp"
+
+namespace tide {
+
+// TIDE-AG for one bucket on one rank. Planned once; run every step.
+class AllGather {
+ public:
+  AllGather(const BucketLayout& layout, int rank, uint32_t bucket = 0)
+      : program_(plan_all_gather(layout, rank, bucket)) {}
+  const Program& program() const { return program_; }
+  // shards[i]: this rank's valid rows of param i (shard_dtype). Afterwards every rank's window holds
+  // every param whole, at layout.param(i).window_offset.
+  void run(Executor& executor, std::span<const void* const> shards) const {
+    executor.run(program_, Bindings{{shards.begin(), shards.end()}, {}});
+  }
+
+ private:
+  Program program_;
+};
+
+// TIDE-RS for one bucket on one rank. grads[i]: the full gradient of param i (the window's dtype);
+// outputs[i]: this rank's valid rows of param i (shard_dtype), overwritten or accumulated into.
+class ReduceScatter {
+ public:
+  ReduceScatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
+                uint32_t bucket = 0)
+      : program_(plan_reduce_scatter(layout, rank, options, bucket)) {}
+  const Program& program() const { return program_; }
+  void run(Executor& executor, std::span<const void* const> grads,
+           std::span<void* const> outputs) const {
+    executor.run(program_, Bindings{{grads.begin(), grads.end()}, {outputs.begin(), outputs.end()}});
+  }
+
+ private:
+  Program program_;
+};
+
+}  // namespace tide

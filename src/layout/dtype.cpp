@@ -1,0 +1,107 @@
+#include "tide/dtype.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "tide/error.hpp"
+
+namespace tide {
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+    case DType::kFP16: return 2;
+    case DType::kFP32: return 4;
+  }
+  throw InvalidArgument(detail::concat("dtype_size: dtype = ", static_cast<int>(dtype),
+                                       ", expected bf16, fp16 or fp32"));
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return "bf16";
+    case DType::kFP16: return "fp16";
+    case DType::kFP32: return "fp32";
+  }
+  return "invalid";
+}
+
+DType parse_dtype(std::string_view name) {
+  if (name == "bf16" || name == "bfloat16") return DType::kBF16;
+  if (name == "fp16" || name == "float16" || name == "half") return DType::kFP16;
+  if (name == "fp32" || name == "float32" || name == "float") return DType::kFP32;
+  throw InvalidArgument(detail::concat("parse_dtype: name = '", std::string(name),
+                                       "', expected one of bf16, fp16, fp32"));
+}
+
+static uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+static float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float value) {
+  uint32_t u = bits_of(value);
+  if (std::isnan(value)) return static_cast<uint16_t>((u >> 16) | 0x0040);  // quiet NaN
+  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_to_float(uint16_t bits) { return float_of(static_cast<uint32_t>(bits) << 16); }
+
+uint16_t float_to_fp16(float value) {
+  const uint32_t u = bits_of(value);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000);
+  const uint32_t abs = u & 0x7FFFFFFF;
+  if (abs > 0x7F800000) return sign | 0x7E00;                  // NaN
+  if (abs >= 0x477FF000) return sign | 0x7C00;                 // rounds to >= 65520: inf
+  if (abs < 0x38800000) {                                      // subnormal or zero in fp16
+    // Value in units of 2^-24, rounded to nearest even, exactly via float arithmetic.
+    const float scaled = float_of(abs) * 16777216.0f;          // exact (power of two)
+    const float r = std::nearbyint(scaled);                    // default mode: nearest even
+    return sign | static_cast<uint16_t>(r);
+  }
+  uint32_t mant = abs & 0x007FFFFF;
+  int32_t exp = static_cast<int32_t>(abs >> 23) - 127 + 15;
+  uint32_t half = (static_cast<uint32_t>(exp) << 10) | (mant >> 13);
+  const uint32_t rest = mant & 0x1FFF;
+  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) ++half;  // may carry into the exponent
+  return sign | static_cast<uint16_t>(half);
+}
+
+float fp16_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+  const uint32_t exp = (bits >> 10) & 0x1F;
+  const uint32_t mant = bits & 0x3FF;
+  if (exp == 0) {
+    const float v = static_cast<float>(mant) * (1.0f / 16777216.0f);  // exact
+    return sign ? -v : v;
+  }
+  if (exp == 31) return float_of(sign | 0x7F800000 | (mant << 13));
+  return float_of(sign | ((exp - 15 + 127) << 23) | (mant << 13));
+}
+
+float load_as_float(const void* base, DType dtype, std::size_t index) {
+  switch (dtype) {
+    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
+    case DType::kFP16: return fp16_to_float(static_cast<const uint16_t*>(base)[index]);
+    case DType::kFP32: return static_cast<const float*>(base)[index];
+  }
+  return 0.0f;
+}
+
+void store_from_float(void* base, DType dtype, std::size_t index, float value) {
+  switch (dtype) {
+    case DType::kBF16: static_cast<uint16_t*>(base)[index] = float_to_bf16(value); return;
+    case DType::kFP16: static_cast<uint16_t*>(base)[index] = float_to_fp16(value); return;
+    case DType::kFP32: static_cast<float*>(base)[index] = value; return;
+  }
+}
+
+}  // namespace tide

@@ -1,0 +1,103 @@
+#include "tide/layout.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "tide/error.hpp"
+
+namespace tide {
+
+Topology Topology::single_node(int world) {
+  Topology t{1, world};
+  t.validate();
+  return t;
+}
+
+void Topology::validate() const {
+  TIDE_CHECK_ARG(nodes >= 1, "Topology", "nodes", nodes, ">= 1");
+  TIDE_CHECK_ARG(local >= 1, "Topology", "local", local, ">= 1");
+  TIDE_CHECK_ARG(static_cast<int64_t>(nodes) * local <= (1 << 20), "Topology", "nodes * local",
+                 static_cast<int64_t>(nodes) * local, "<= 1048576");
+}
+
+int64_t ParamLayout::valid_rows(int rank) const {
+  const int64_t start = rank * rows_per_rank;
+  if (start >= dim0) return 0;
+  return std::min(rows_per_rank, dim0 - start);
+}
+
+static std::string shape_string(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << '[';
+  for (std::size_t k = 0; k < shape.size(); ++k) os << (k ? ", " : "") << shape[k];
+  os << ']';
+  return os.str();
+}
+
+static std::size_t align_up(std::size_t value, std::size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std::size_t alignment)
+    : topology_(topology), alignment_(alignment) {
+  topology_.validate();
+  TIDE_CHECK_ARG(!specs.empty(), "BucketLayout", "params", "an empty list", "at least one param");
+  TIDE_CHECK_ARG(alignment >= kMinAlignment && (alignment & (alignment - 1)) == 0, "BucketLayout",
+                 "alignment", alignment, "a power of two >= 256");
+  const int world = topology_.world();
+  std::size_t offset = 0;
+  params_.reserve(specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    ParamSpec& spec = specs[i];
+    const std::string where = detail::concat("BucketLayout: param ", i, " ('", spec.name, "')");
+    int64_t row_numel = 1;
+    for (std::size_t k = 0; k < spec.shape.size(); ++k) {
+      TIDE_CHECK_ARG(spec.shape[k] > 0, where, detail::concat("shape[", k, "]"), spec.shape[k],
+                     "> 0");
+      if (k > 0) {
+        TIDE_CHECK_ARG(row_numel <= (int64_t{1} << 40) / spec.shape[k], where, "shape",
+                       shape_string(spec.shape), "fewer than 2^40 elements");
+        row_numel *= spec.shape[k];
+      }
+    }
+    dtype_size(spec.dtype);  // validates
+    dtype_size(spec.shard_dtype);
+    ParamLayout p;
+    p.name = spec.name;
+    p.shape = spec.shape;
+    p.dtype = spec.dtype;
+    p.shard_dtype = spec.shard_dtype;
+    p.dim0 = spec.shape.empty() ? 1 : spec.shape[0];
+    p.row_numel = row_numel;
+    TIDE_CHECK_ARG(p.dim0 <= (int64_t{1} << 40) / row_numel, where, "shape",
+                   shape_string(spec.shape), "fewer than 2^40 elements");
+    p.rows_per_rank = (p.dim0 + world - 1) / world;
+    p.shard_numel = p.rows_per_rank * row_numel;
+    p.elem_size = dtype_size(spec.dtype);
+    p.window_offset = offset;
+    offset = align_up(offset + world * p.slot_bytes(), alignment_);
+    params_.push_back(std::move(p));
+  }
+  window_bytes_ = offset;
+}
+
+const ParamLayout& BucketLayout::param(std::size_t i) const {
+  TIDE_CHECK_ARG(i < params_.size(), "BucketLayout::param", "i", i,
+                 detail::concat("< ", params_.size()));
+  return params_[i];
+}
+
+std::string BucketLayout::describe() const {
+  std::ostringstream os;
+  os << "bucket: " << params_.size() << " params, W = " << world() << " (" << topology_.nodes
+     << " node(s) x " << topology_.local << "), window " << window_bytes_ << " B per rank\n";
+  for (const ParamLayout& p : params_) {
+    os << "  " << (p.name.empty() ? "<unnamed>" : p.name) << " " << shape_string(p.shape) << " "
+       << dtype_name(p.dtype) << "/" << dtype_name(p.shard_dtype) << ": c = " << p.rows_per_rank
+       << " rows, S = " << p.shard_numel << " elems, offset " << p.window_offset << ", slots "
+       << world() << " x " << p.slot_bytes() << " B\n";
+  }
+  return os.str();
+}
+
+}  // namespace tide

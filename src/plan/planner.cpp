@@ -1,0 +1,123 @@
+// Builds the per-rank programs of TIDE-AG and TIDE-RS (single node). See plan.hpp and DESIGN.md §2.
+#include <string>
+
+#include "tide/error.hpp"
+#include "tide/plan.hpp"
+
+namespace tide {
+namespace {
+
+Program empty_program(Collective collective, const BucketLayout& layout, int rank,
+                      uint32_t bucket, const char* where) {
+  TIDE_CHECK_ARG(rank >= 0 && rank < layout.world(), where, "rank", rank,
+                 detail::concat("in [0, ", layout.world(), ")"));
+  TIDE_CHECK_ARG(bucket < (1u << 31), where, "bucket", bucket, "< 2^31");
+  Program program;
+  program.collective = collective;
+  program.rank = rank;
+  program.world = layout.world();
+  program.bucket = bucket;
+  program.num_params = static_cast<int>(layout.num_params());
+  program.window_bytes = layout.window_bytes();
+  program.alignment = layout.alignment();
+  return program;
+}
+
+// Peers in staggered order rank+1, rank+2, ...: at any moment each rank pushes to a different peer,
+// so no window receives from everyone at once.
+std::vector<int> staggered_peers(int rank, int world) {
+  std::vector<int> peers;
+  peers.reserve(world > 0 ? world - 1 : 0);
+  for (int k = 1; k < world; ++k) peers.push_back((rank + k) % world);
+  return peers;
+}
+
+Address window_at(int rank, std::size_t offset) { return {Space::kWindow, rank, offset}; }
+
+void add_slot_free_signals(Program& program, const std::vector<int>& peers) {
+  for (int q : peers) program.steps.push_back({Phase::kSlotFree, SignalOp{q, FlagKind::kSlotFree}});
+}
+
+// For each peer: wait until its window is free, push the batch, tell it the data is there.
+template <class MakeBatch>
+void add_pushes(Program& program, const std::vector<int>& peers, MakeBatch make_batch) {
+  for (int q : peers) {
+    program.steps.push_back({Phase::kSlotFree, WaitOp{q, FlagKind::kSlotFree}});
+    CopyBatch batch = make_batch(q);
+    if (!batch.copies.empty()) program.steps.push_back({Phase::kPush, std::move(batch)});
+    program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
+  }
+  for (int q : peers) program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
+}
+
+}  // namespace
+
+Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket) {
+  Program program = empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
+  const auto& params = layout.params();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamLayout& p = params[i];
+    const int64_t valid = p.valid_numel(rank);
+    program.steps.push_back(
+        {Phase::kCastIn, CastOp{window_at(rank, p.slot_offset(rank)),
+                                {Space::kInput, static_cast<int>(i), 0}, valid,
+                                p.shard_numel - valid, p.shard_dtype, p.dtype}});
+  }
+  const std::vector<int> peers = staggered_peers(rank, layout.world());
+  add_slot_free_signals(program, peers);
+  add_pushes(program, peers, [&](int q) {
+    CopyBatch batch;
+    for (const ParamLayout& p : params)
+      batch.copies.push_back(
+          {window_at(q, p.slot_offset(rank)), window_at(rank, p.slot_offset(rank)), p.slot_bytes()});
+    return batch;
+  });
+  return program;
+}
+
+Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
+                            uint32_t bucket) {
+  Program program =
+      empty_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");
+  TIDE_CHECK_ARG(options.kind == ReduceKind::kSum || options.kind == ReduceKind::kAvg,
+                 "plan_reduce_scatter", "options.kind", static_cast<int>(options.kind),
+                 "kSum or kAvg");
+  const auto& params = layout.params();
+  for (const ParamLayout& p : params)
+    TIDE_CHECK_ARG(p.shard_dtype == DType::kFP32 || p.shard_dtype == p.dtype,
+                   "plan_reduce_scatter", detail::concat("param '", p.name, "' shard_dtype"),
+                   dtype_name(p.shard_dtype),
+                   detail::concat("fp32 or the param's dtype ", dtype_name(p.dtype)));
+  const std::vector<int> peers = staggered_peers(rank, layout.world());
+  add_slot_free_signals(program, peers);
+  add_pushes(program, peers, [&](int q) {
+    CopyBatch batch;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const ParamLayout& p = params[i];
+      const int64_t n = p.valid_numel(q);
+      if (n == 0) continue;
+      batch.copies.push_back({window_at(q, p.slot_offset(rank)),
+                              {Space::kInput, static_cast<int>(i), q * p.slot_bytes()},
+                              static_cast<std::size_t>(n) * p.elem_size});
+    }
+    return batch;
+  });
+  const float scale = options.kind == ReduceKind::kAvg
+                          ? options.postscale / static_cast<float>(layout.world())
+                          : options.postscale;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamLayout& p = params[i];
+    const int64_t n = p.valid_numel(rank);
+    if (n == 0) continue;
+    ReduceOp reduce{static_cast<int>(i), {}, {Space::kOutput, static_cast<int>(i), 0}, n,
+                    p.dtype, p.shard_dtype, options.prescale, scale, options.accumulate};
+    for (int src = 0; src < layout.world(); ++src)
+      reduce.sources.push_back(src == rank ? Address{Space::kInput, static_cast<int>(i),
+                                                     rank * p.slot_bytes()}
+                                           : window_at(rank, p.slot_offset(src)));
+    program.steps.push_back({Phase::kReduce, std::move(reduce)});
+  }
+  return program;
+}
+
+}  // namespace tide

@@ -1,0 +1,101 @@
+// HostWindow over POSIX shared memory. Segment layout: [data (data_bytes, rounded to 64 B)][flags].
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "tide/error.hpp"
+#include "tide/window.hpp"
+
+namespace tide {
+namespace {
+
+std::size_t data_region_bytes(std::size_t data_bytes) { return (data_bytes + 63) / 64 * 64; }
+
+std::string unique_segment_name(int rank) {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  return detail::concat("/tide.", ::getpid(), ".", counter++, ".", rd() & 0xFFFFFF, ".r", rank);
+}
+
+std::byte* map_segment(const std::string& name, std::size_t bytes, bool create) {
+  const int fd = create ? ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
+                        : ::shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0)
+    throw SystemError(detail::concat("HostWindow: shm_open(", name, "): ", std::strerror(errno)));
+  if (create && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+    throw SystemError(detail::concat("HostWindow: ftruncate(", name, ", ", bytes,
+                                     "): ", std::strerror(err)));
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    if (create) ::shm_unlink(name.c_str());
+    throw SystemError(detail::concat("HostWindow: mmap(", name, ", ", bytes,
+                                     " B): ", std::strerror(err)));
+  }
+  return static_cast<std::byte*>(p);
+}
+
+}  // namespace
+
+HostWindow::HostWindow(int rank, std::size_t data_bytes, std::size_t mapped_bytes)
+    : rank_(rank), data_bytes_(data_bytes), mapped_bytes_(mapped_bytes) {}
+
+HostWindow::~HostWindow() {
+  for (std::byte* p : maps_)
+    if (p) ::munmap(p, mapped_bytes_);
+}
+
+std::unique_ptr<HostWindow> HostWindow::create(Bootstrap& bootstrap, std::size_t data_bytes) {
+  const int rank = bootstrap.rank();
+  const int world = bootstrap.world();
+  TIDE_CHECK_ARG(data_bytes > 0, "HostWindow::create", "data_bytes", data_bytes, "> 0");
+  const std::size_t mapped = data_region_bytes(data_bytes) + flag_array_bytes(world);
+  std::unique_ptr<HostWindow> window(new HostWindow(rank, data_bytes, mapped));
+  window->maps_.assign(world, nullptr);
+
+  const std::string mine = unique_segment_name(rank);
+  window->maps_[rank] = map_segment(mine, mapped, /*create=*/true);
+  std::vector<std::string> names;
+  try {
+    names = bootstrap.allgather(detail::concat(data_bytes, " ", mine));
+    for (int r = 0; r < world; ++r) {
+      std::size_t theirs = 0;
+      char name[256] = {};
+      if (std::sscanf(names[r].c_str(), "%zu %255s", &theirs, name) != 2)
+        throw InvalidArgument(detail::concat("HostWindow::create: rank ", r,
+                                             " sent a malformed handle '", names[r], "'"));
+      TIDE_CHECK_ARG(theirs == data_bytes, "HostWindow::create",
+                     detail::concat("data_bytes of rank ", r), theirs,
+                     detail::concat(data_bytes, " (rank ", rank, "'s)"));
+      if (r != rank) window->maps_[r] = map_segment(name, mapped, /*create=*/false);
+    }
+    bootstrap.barrier();  // every rank has mapped every segment: the names can go
+  } catch (...) {
+    ::shm_unlink(mine.c_str());
+    throw;
+  }
+  ::shm_unlink(mine.c_str());
+  return window;
+}
+
+std::byte* HostWindow::data(int rank) const {
+  TIDE_CHECK_ARG(rank >= 0 && rank < world(), "HostWindow::data", "rank", rank,
+                 detail::concat("in [0, ", world(), ")"));
+  return maps_[rank];
+}
+
+FlagWord* HostWindow::flags(int rank) const {
+  return reinterpret_cast<FlagWord*>(data(rank) + data_region_bytes(data_bytes_));
+}
+
+}  // namespace tide

@@ -1,0 +1,119 @@
+// plan: the programs' addressing and handshakes, checked statically over >= 1000 random buckets
+// for each W, plus mutations that the checker must catch (so the property test can fail).
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "test_util.hpp"
+
+namespace tide {
+namespace {
+
+std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {}) {
+  std::vector<Program> programs;
+  for (int r = 0; r < layout.world(); ++r)
+    programs.push_back(c == Collective::kAllGather ? plan_all_gather(layout, r, 5)
+                                                   : plan_reduce_scatter(layout, r, o, 5));
+  return programs;
+}
+
+class PlanProperty : public ::testing::TestWithParam<int> {};
+
+TEST_P(PlanProperty, ThousandRandomBucketsVerify) {
+  const int world = GetParam();
+  std::mt19937_64 rng(1000 + world);
+  const int max_params = world >= 64 ? 3 : 6;
+  for (int n = 0; n < 1000; ++n) {
+    BucketLayout layout(test::random_specs(rng, world, max_params), Topology::single_node(world));
+    ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kAllGather)))
+        << layout.describe();
+    ReduceOptions o;
+    o.kind = n % 2 ? ReduceKind::kAvg : ReduceKind::kSum;
+    o.accumulate = n % 3 == 0;
+    ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kReduceScatter, o)))
+        << layout.describe();
+  }
+}
+INSTANTIATE_TEST_SUITE_P(W, PlanProperty, ::testing::Values(1, 2, 3, 4, 5, 8, 64));
+
+TEST(Plan, AllGatherPushesEverySlotOncePerPeer) {
+  BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(4));
+  const Program p = plan_all_gather(layout, 1, 9);
+  // Own shards: 2 casts; to each of 3 peers a batch of 2 slots: total bytes = 3 * sum(slot bytes).
+  EXPECT_EQ(p.bytes_pushed(), 3 * (layout.param(0).slot_bytes() + layout.param(1).slot_bytes()));
+  const std::string text = p.to_string();
+  EXPECT_NE(text.find("program all_gather rank 1/4 bucket 9"), std::string::npos) << text;
+  EXPECT_NE(text.find("[cast_in] cast in[0]+0 -> win[1]+24 (fp32->bf16, 12 elems + 0 zero pad)"),
+            std::string::npos) << text;
+  // Param b: d0 = 3, c = 1: rank 1 owns row 1; its slot is at offset 256 + 1 * 4.
+  EXPECT_NE(text.find("cast in[1]+0 -> win[1]+260 (fp32->fp32, 1 elems + 0 zero pad)"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("win[1]+24 -> win[2]+24 (24 B)"), std::string::npos) << text;
+  // Staggered: the first peer rank 1 pushes to is rank 2.
+  EXPECT_LT(text.find("wait slot_free <- rank 2"), text.find("wait slot_free <- rank 3"));
+  EXPECT_LT(text.find("wait slot_free <- rank 3"), text.find("wait slot_free <- rank 0"));
+}
+
+TEST(Plan, ReduceScatterReadsOwnChunkInPlaceAndPeersFromVacatedSlots) {
+  BucketLayout layout({{"w", {7, 2}}}, Topology::single_node(3));  // c = 3: rows 3,3,1
+  ReduceOptions o;
+  o.kind = ReduceKind::kAvg;
+  o.prescale = 0.5f;
+  o.accumulate = true;
+  const Program p = plan_reduce_scatter(layout, 2, o, 1);
+  const std::string text = p.to_string();
+  // Rank 2 owns 1 row = 2 elems; sources: slot(0,0), slot(0,1) of its window, then its gradient.
+  EXPECT_NE(text.find("reduce param 0: 2 elems (bf16->fp32), 3 sources in rank order, x0.5 then "
+                      "x0.333333, += into out[0]+0"), std::string::npos) << text;
+  EXPECT_NE(text.find("sources: win[2]+0 win[2]+12 in[0]+24"), std::string::npos) << text;
+  // To rank 0 it pushes its gradient's chunk 0 (3 rows = 12 B) into rank 0's slot(0, 2).
+  EXPECT_NE(text.find("in[0]+0 -> win[0]+24 (12 B)"), std::string::npos) << text;
+}
+
+TEST(Plan, WorldOfOneIsLocalOnly) {
+  BucketLayout layout({{"w", {5, 3}}}, Topology::single_node(1));
+  EXPECT_EQ(plan_all_gather(layout, 0).steps.size(), 1u);
+  EXPECT_EQ(plan_reduce_scatter(layout, 0, {}).steps.size(), 1u);
+}
+
+// The checker must reject broken plans, or the property test proves nothing.
+TEST(PlanVerifier, CatchesMutations) {
+  BucketLayout layout({{"a", {9, 3}}, {"b", {4}}}, Topology::single_node(3));
+  auto mutate_first_batch = [&](Collective c, auto&& edit) {
+    auto programs = plan_all(layout, c);
+    for (Step& s : programs[1].steps)
+      if (auto* b = std::get_if<CopyBatch>(&s.op)) {
+        edit(*b);
+        break;
+      }
+    return programs;
+  };
+  for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
+    EXPECT_THROW(verify_programs(layout, mutate_first_batch(c, [](CopyBatch& b) {
+                   b.copies.pop_back();
+                 })), Error) << "dropped copy";
+    EXPECT_THROW(verify_programs(layout, mutate_first_batch(c, [](CopyBatch& b) {
+                   b.copies.push_back(b.copies.front());
+                 })), Error) << "duplicated copy";
+    EXPECT_THROW(verify_programs(layout, mutate_first_batch(c, [](CopyBatch& b) {
+                   b.copies.front().dst.offset += 2;
+                 })), Error) << "shifted copy";
+    EXPECT_THROW(verify_programs(layout, mutate_first_batch(c, [](CopyBatch& b) {
+                   b.copies.front().bytes += 1 << 20;
+                 })), Error) << "copy out of bounds";
+    auto no_wait = plan_all(layout, c);
+    for (auto it = no_wait[0].steps.begin(); it != no_wait[0].steps.end(); ++it)
+      if (std::holds_alternative<WaitOp>(it->op)) {
+        no_wait[0].steps.erase(it);
+        break;
+      }
+    EXPECT_THROW(verify_programs(layout, no_wait), Error) << "missing wait";
+  }
+  auto early_reduce = plan_all(layout, Collective::kReduceScatter);
+  std::rotate(early_reduce[0].steps.begin(), early_reduce[0].steps.end() - 1,
+              early_reduce[0].steps.end());  // the last reduce moves before the data waits
+  EXPECT_THROW(verify_programs(layout, early_reduce), Error) << "reduce before data-ready";
+}
+
+}  // namespace
+}  // namespace tide

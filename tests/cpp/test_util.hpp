@@ -1,0 +1,134 @@
+// Shared test helpers: random buckets, deterministic per-rank data, references, rank runners.
+#pragma once
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "tide/tide.hpp"
+
+namespace tide::test {
+
+// A random bucket: shapes include 0-d, 1-d, d0 = 1, d0 < W, d0 not divisible by W, wide rows,
+// and mixed bf16 / fp16 / fp32 params (sharded masters in fp32 or in the param's own dtype).
+inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, int max_params = 6,
+                                           int64_t max_numel = 1 << 16) {
+  std::uniform_int_distribution<int> n_params(1, max_params);
+  std::vector<ParamSpec> specs(n_params(rng));
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    ParamSpec& s = specs[i];
+    s.name = "p" + std::to_string(i);
+    const int ndim = std::uniform_int_distribution<int>(0, 3)(rng);
+    int64_t d0 = 1;
+    switch (std::uniform_int_distribution<int>(0, 4)(rng)) {
+      case 0: d0 = 1; break;
+      case 1: d0 = std::uniform_int_distribution<int64_t>(1, std::max(1, world - 1))(rng); break;
+      case 2: d0 = world * std::uniform_int_distribution<int64_t>(1, 4)(rng); break;
+      default: d0 = std::uniform_int_distribution<int64_t>(1, 3 * world + 40)(rng);
+    }
+    if (ndim > 0) s.shape.push_back(d0);
+    int64_t numel = ndim > 0 ? d0 : 1;
+    for (int k = 1; k < ndim; ++k) {
+      const bool wide = std::uniform_int_distribution<int>(0, 9)(rng) == 0;
+      int64_t d = wide ? std::uniform_int_distribution<int64_t>(512, 4096)(rng)
+                       : std::uniform_int_distribution<int64_t>(1, 24)(rng);
+      d = std::max<int64_t>(1, std::min<int64_t>(d, max_numel / numel));
+      s.shape.push_back(d);
+      numel *= d;
+    }
+    const DType dtypes[] = {DType::kBF16, DType::kBF16, DType::kFP16, DType::kFP32};
+    s.dtype = dtypes[std::uniform_int_distribution<int>(0, 3)(rng)];
+    s.shard_dtype = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? s.dtype : DType::kFP32;
+  }
+  return specs;
+}
+
+// Deterministic values in [-1, 1) from (seed, param, rank, element): every rank can compute every
+// other rank's data, so processes need not exchange anything to check results.
+inline float value_at(uint64_t seed, int param, int rank, int64_t k) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (uint64_t(param) << 40) ^ (uint64_t(rank) << 20) ^
+               uint64_t(k) * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31; x *= 0x94D049BB133111EBull; x ^= x >> 29;
+  return static_cast<float>(static_cast<int64_t>(x >> 40) - (1 << 23)) / float(1 << 23);
+}
+
+// A typed buffer holding `n` elements of `dtype` filled from value_at (rounded to dtype).
+struct Buffer {
+  DType dtype;
+  std::vector<std::byte> bytes;
+  Buffer(DType d, int64_t n) : dtype(d), bytes(std::max<int64_t>(n, 1) * dtype_size(d)) {}
+  void* data() { return bytes.data(); }
+  float at(int64_t k) const { return load_as_float(bytes.data(), dtype, k); }
+};
+
+// All-gather input of `rank` for param i: its valid rows of the full param, in shard_dtype.
+inline Buffer ag_shard(const ParamLayout& p, int param, int rank, uint64_t seed) {
+  Buffer b(p.shard_dtype, p.valid_numel(rank));
+  for (int64_t k = 0; k < p.valid_numel(rank); ++k)
+    store_from_float(b.data(), p.shard_dtype, k, value_at(seed, param, 0, rank * p.shard_numel + k));
+  return b;
+}
+
+// What every rank's window must hold for param i after the all-gather: W slots, padding zero.
+inline std::vector<std::byte> ag_expected(const ParamLayout& p, int param, int world, uint64_t seed) {
+  std::vector<std::byte> out(world * p.slot_bytes(), std::byte{0});
+  for (int r = 0; r < world; ++r) {
+    const Buffer shard = ag_shard(p, param, r, seed);
+    for (int64_t k = 0; k < p.valid_numel(r); ++k)
+      store_from_float(out.data(), p.dtype, r * p.shard_numel + k, shard.at(k));
+  }
+  return out;
+}
+
+// Reduce-scatter input of `rank` for param i: a full gradient in the param's dtype.
+inline Buffer rs_grad(const ParamLayout& p, int param, int rank, uint64_t seed) {
+  Buffer b(p.dtype, p.numel());
+  for (int64_t k = 0; k < p.numel(); ++k)
+    store_from_float(b.data(), p.dtype, k, value_at(seed, param, rank + 1, k));
+  return b;
+}
+
+// fp64 reference of rank `rank`'s reduce-scatter output for param i (before any accumulate).
+inline std::vector<double> rs_reference(const ParamLayout& p, int param, int rank, int world,
+                                        uint64_t seed, const ReduceOptions& o) {
+  std::vector<double> out(p.valid_numel(rank), 0.0);
+  for (int src = 0; src < world; ++src) {
+    Buffer g = rs_grad(p, param, src, seed);
+    for (int64_t k = 0; k < p.valid_numel(rank); ++k)
+      out[k] += double(o.prescale) * g.at(rank * p.shard_numel + k);
+  }
+  const double scale = o.kind == ReduceKind::kAvg ? double(o.postscale) / world : o.postscale;
+  for (double& v : out) v *= scale;
+  return out;
+}
+
+// ||a - b|| / ||b|| (0 when both are empty or zero).
+inline double relative_error(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t k = 0; k < a.size(); ++k) num += (a[k] - b[k]) * (a[k] - b[k]), den += b[k] * b[k];
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+// Runs fn(rank, bootstrap) on `world` threads; rethrows the first exception.
+inline void run_threads(int world, const std::function<void(int, Bootstrap&)>& fn,
+                        std::chrono::milliseconds timeout = std::chrono::milliseconds(20000)) {
+  auto rendezvous = make_thread_rendezvous(world);
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        ThreadBootstrap bootstrap(rendezvous, r, timeout);
+        fn(r, bootstrap);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace tide::test
