@@ -1,0 +1,36 @@
+"""TIDE: zero-copy collectives for PyTorch FSDP2.
+
+The C++ core (``tide._tide``) plans and runs TIDE-AG / TIDE-RS; this package is the thin layer
+PyTorch users touch. Pointers are passed as ints (``tensor.data_ptr()``), streams as ints.
+"""
+
+from ._tide import (  # noqa: F401
+    Bootstrap,
+    BucketLayout,
+    CallbackBootstrap,
+    Collective,
+    DesyncError,
+    DType,
+    FileBootstrap,
+    HostExecutor,
+    HostWindow,
+    ParamLayout,
+    ParamSpec,
+    Program,
+    ReduceKind,
+    ReduceOptions,
+    Topology,
+    cuda_built,
+    cuda_device_available,
+    default_timeout_ms,
+    dtype_size,
+    parse_dtype,
+    plan_all_gather,
+    plan_reduce_scatter,
+    verify_programs,
+)
+
+if cuda_built:
+    from ._tide import CudaExecutor, CudaStats, CudaWindow  # noqa: F401
+
+__version__ = "0.1.0"

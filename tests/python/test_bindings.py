@@ -1,0 +1,164 @@
+"""The Python layer over the C++ core: layouts, plans, errors, and the host executor with ranks as
+threads (the GIL is released while ranks wait on each other)."""
+
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+import tide
+from tide.demo import bf16_bits_to_float, to_bf16_bits
+
+
+def run_ranks(world, fn, timeout_ms=20000):
+    """Runs fn(rank, bootstrap) on `world` threads sharing a rendezvous directory."""
+    results, errors = [None] * world, [None] * world
+    with tempfile.TemporaryDirectory() as d:
+        def body(r):
+            try:
+                results[r] = fn(r, tide.FileBootstrap(d, r, world, timeout_ms))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors[r] = e
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return results, errors
+
+
+def test_layout_follows_fsdp2_sharding():
+    layout = tide.BucketLayout([tide.ParamSpec("w", [10, 3]), tide.ParamSpec("b", [3], tide.DType.fp32)],
+                               tide.Topology.single_node(4))
+    w, b = layout.params
+    assert (w.rows_per_rank, w.shard_numel, w.slot_bytes) == (3, 9, 18)
+    assert [w.valid_rows(r) for r in range(4)] == [3, 3, 3, 1]
+    assert [b.valid_rows(r) for r in range(4)] == [1, 1, 1, 0]
+    assert b.window_offset == 256 and layout.window_bytes == 512
+    assert "w [10, 3] bf16/fp32: c = 3 rows" in layout.describe()
+
+
+def test_plans_print_and_verify():
+    layout = tide.BucketLayout([tide.ParamSpec("w", [7, 2])], tide.Topology(1, 3))
+    ags = [tide.plan_all_gather(layout, r, bucket=4) for r in range(3)]
+    tide.verify_programs(layout, ags)
+    assert "program all_gather rank 1/3 bucket 4" in str(ags[1])
+    rs = tide.plan_reduce_scatter(layout, 2, tide.ReduceOptions(kind=tide.ReduceKind.sum, accumulate=True))
+    assert "+= into out[0]+0" in rs.to_string()
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda: tide.BucketLayout([], tide.Topology.single_node(2)), "at least one param"),
+    (lambda: tide.BucketLayout([tide.ParamSpec("w", [0])], tide.Topology.single_node(2)), "shape[0] = 0"),
+    (lambda: tide.Topology(0, 8), "nodes = 0"),
+    (lambda: tide.plan_all_gather(tide.BucketLayout([tide.ParamSpec("w", [4])], tide.Topology(1, 2)), 2),
+     "rank = 2, expected in [0, 2)"),
+    (lambda: tide.parse_dtype("int4"), "expected one of bf16, fp16, fp32"),
+    (lambda: tide.FileBootstrap("/nonexistent", 0, 1), "an existing directory"),
+])
+def test_bad_input_raises_value_error_naming_the_argument(make, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_host_all_gather_and_reduce_scatter(world):
+    specs = [tide.ParamSpec("q", [13, 8]), tide.ParamSpec("norm", [8]), tide.ParamSpec("s", [])]
+    layout = tide.BucketLayout(specs, tide.Topology.single_node(world))
+    rng = np.random.default_rng(world)
+    full = [rng.standard_normal(max(p.numel, 1)).astype(np.float32) for p in layout.params]
+    grads = [[to_bf16_bits(rng.standard_normal(p.numel).astype(np.float32)) for p in layout.params]
+             for _ in range(world)]
+
+    def rank_fn(rank, boot):
+        window = tide.HostWindow.create(boot, layout.window_bytes)
+        ex = tide.HostExecutor(window)
+        shards = [np.ascontiguousarray(f[rank * p.shard_numel: rank * p.shard_numel + p.valid_numel(rank)])
+                  for f, p in zip(full, layout.params)]
+        ex.run(tide.plan_all_gather(layout, rank), [s.ctypes.data for s in shards])
+        raw = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * layout.window_bytes)
+                                    .from_address(window.data_ptr(rank))).copy()
+        outs = [np.full(p.valid_numel(rank), 0.5, np.float32) for p in layout.params]
+        ex.run(tide.plan_reduce_scatter(layout, rank, tide.ReduceOptions(accumulate=True)),
+               [g.ctypes.data for g in grads[rank]], [o.ctypes.data for o in outs])
+        return raw, outs
+
+    results, errors = run_ranks(world, rank_fn)
+    assert errors == [None] * world
+    for rank, (raw, outs) in enumerate(results):
+        for i, p in enumerate(layout.params):
+            got = raw[p.window_offset:p.window_offset + 2 * p.numel].view(np.uint16)
+            np.testing.assert_array_equal(got, to_bf16_bits(full[i][:p.numel]))
+            start, n = rank * p.shard_numel, p.valid_numel(rank)
+            ref = 0.5 + sum(bf16_bits_to_float(grads[r][i][start:start + n]).astype(np.float64)
+                            for r in range(world)) / world
+            assert np.allclose(outs[i], ref, rtol=1e-6, atol=1e-7)
+
+
+def test_missing_rank_raises_timeout_error_naming_it():
+    layout = tide.BucketLayout([tide.ParamSpec("w", [4, 4])], tide.Topology.single_node(2))
+
+    def rank_fn(rank, boot):
+        window = tide.HostWindow.create(boot, layout.window_bytes)
+        if rank == 1:
+            return None  # never runs the collective
+        shard = np.zeros(8, np.float32)
+        tide.HostExecutor(window, timeout_ms=200).run(tide.plan_all_gather(layout, 0, bucket=3),
+                                                      [shard.ctypes.data])
+
+    _, errors = run_ranks(2, rank_fn)
+    assert isinstance(errors[0], TimeoutError), errors
+    assert "from rank 1 (bucket 3 all_gather, phase slot_free, epoch 1)" in str(errors[0])
+
+
+def test_mismatched_collectives_raise_desync_error():
+    layout = tide.BucketLayout([tide.ParamSpec("w", [4, 4])], tide.Topology.single_node(2))
+
+    def rank_fn(rank, boot):
+        window = tide.HostWindow.create(boot, layout.window_bytes)
+        ex = tide.HostExecutor(window, timeout_ms=5000)
+        buf = np.zeros(16, np.float32)
+        ex.run(tide.plan_all_gather(layout, rank, bucket=1 + rank), [buf.ctypes.data])
+
+    _, errors = run_ranks(2, rank_fn)
+    assert all(isinstance(e, tide.DesyncError) for e in errors), errors
+    assert "rank 0 runs bucket 1 all_gather" in str(errors[0]) and "bucket 2 all_gather" in str(errors[0])
+
+
+def test_callback_bootstrap_exchanges_bytes():
+    barrier = threading.Barrier(2)
+    slots = [None, None]
+
+    def make(rank):
+        def allgather(mine: bytes):
+            slots[rank] = mine
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+        return tide.CallbackBootstrap(rank, 2, allgather)
+
+    layout = tide.BucketLayout([tide.ParamSpec("w", [2, 2], tide.DType.fp32)], tide.Topology.single_node(2))
+    results = [None, None]
+
+    def body(rank):
+        window = tide.HostWindow.create(make(rank), layout.window_bytes)
+        shard = np.array([rank + 1.0, rank + 2.0], np.float32)
+        tide.HostExecutor(window).run(tide.plan_all_gather(layout, rank), [shard.ctypes.data])
+        results[rank] = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_float * 4)
+                                              .from_address(window.data_ptr(rank))).copy()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(2):
+        np.testing.assert_array_equal(results[r], [1, 2, 2, 3])
+
+
+def test_demo_runs_and_checks_itself(capsys):
+    from tide import demo
+    assert demo.main(["--world", "2", "--hidden", "64"]) == 0
+    assert "all checks passed" in capsys.readouterr().out
