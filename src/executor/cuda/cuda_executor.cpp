@@ -1,0 +1,503 @@
+// The CUDA executor: the host executor's step semantics, enqueued on a stream.
+//
+//   CopyBatch  -> cudaMemcpyBatchAsync (copy engines preferred, source in stream order);
+//                 one cudaMemcpyAsync per copy where batches are unavailable.
+//   CastOp     -> equal types: a batched copy + cudaMemsetAsync of the pad (no kernel);
+//                 otherwise one cast kernel for all consecutive CastOps.
+//   SignalOp   -> cuStreamWriteValue64 of the tag, then of the epoch, into the peer's FlagWord (each
+//                 write is preceded by a memory barrier: the data before it is visible first).
+//   WaitOp     -> cuStreamWaitValue64(epoch >= e), then cuStreamWaitValue64(tag == t): a peer that
+//                 runs another collective blocks the stream instead of feeding it wrong data, and
+//                 the watchdog reports DesyncError.
+//   ReduceOp   -> one reduce kernel for all consecutive ReduceOps.
+//
+// Watchdog: each wait is bracketed by two events. A host thread looks at the oldest wait not yet
+// passed; once its "before" event has completed but its "after" has not for longer than the
+// timeout, it reads the flag on a side stream, stores TimeoutError (or DesyncError when the epoch
+// arrived with another program's tag) naming rank, peer, bucket, phase and epoch, and releases the
+// stuck wait by writing the awaited values into the flag, and so every later stuck wait of this
+// executor, so the stream drains and nothing hangs. synchronize() and run() then throw the error.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "cuda_check.hpp"
+#include "driver_api.hpp"
+#include "kernels.cuh"
+#include "tide/cuda.hpp"
+#include "tide/error.hpp"
+
+namespace tide {
+
+static_assert(static_cast<int>(DType::kBF16) == cuda_kernels::kBF16 &&
+                  static_cast<int>(DType::kFP16) == cuda_kernels::kFP16 &&
+                  static_cast<int>(DType::kFP32) == cuda_kernels::kFP32,
+              "kernel element types must be numbered as tide::DType");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Written into a stuck flag's epoch to release it: cuStreamWaitValue64's GEQ compares the signed
+// difference (int64_t)(*addr - value) >= 0, so UINT64_MAX would read as -1 and never pass; 2^62
+// passes for every epoch a window can reach.
+constexpr uint64_t kReleaseEpoch = uint64_t{1} << 62;
+
+std::string describe_tag(uint64_t tag) {
+  return detail::concat("bucket ", tag >> 1, " ",
+                        collective_name(static_cast<Collective>(tag & 1)));
+}
+
+const char* flag_kind_name(FlagKind kind) {
+  return kind == FlagKind::kSlotFree ? "slot_free" : "data_ready";
+}
+
+cuda_kernels::ElementType element_type(DType dtype) {
+  return static_cast<cuda_kernels::ElementType>(static_cast<int>(dtype));
+}
+
+struct PendingWait {
+  uint64_t id;
+  cudaEvent_t before;
+  cudaEvent_t after;
+  FlagWord* flag;  // own flag, device pointer
+  uint64_t epoch;
+  uint64_t tag;
+  int peer;
+  FlagKind kind;
+  Phase phase;
+};
+
+struct KernelTiming {
+  cudaEvent_t start;
+  cudaEvent_t end;
+  int ctas;
+  bool reduce;
+};
+
+}  // namespace
+
+struct CudaExecutor::Impl {
+  CudaWindow& window;
+  cudaStream_t stream;
+  std::chrono::milliseconds timeout;
+  const cuda_detail::DriverApi& api;
+  cudaStream_t side_stream = nullptr;  // non-blocking: the watchdog's flag reads and releases
+  FlagWord* pinned = nullptr;          // 2 * kNumFlagKinds * W FlagWords of pinned host memory
+  bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
+  std::vector<cudaStream_t> streams_used;
+
+  bool stats_enabled = false;
+  std::vector<KernelTiming> timings;
+  Stats stats;
+
+  // Shared with the watchdog thread, under `mutex`.
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::deque<PendingWait> pending;
+  std::vector<cudaEvent_t> free_events;
+  uint64_t next_wait_id = 0;
+  bool stop = false;
+  std::exception_ptr error;     // TimeoutError / DesyncError / SystemError
+  std::atomic<bool> failed{false};
+  std::atomic<bool> watchdog_dead{false};  // it hit a CUDA error and can no longer drain
+  std::thread watchdog;
+
+  Impl(CudaWindow& w, void* s, std::chrono::milliseconds t)
+      : window(w), stream(static_cast<cudaStream_t>(s)), timeout(t), api(cuda_detail::driver_api()) {}
+
+  // ---- Enqueueing (caller's thread). ----
+
+  cudaEvent_t take_event() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!free_events.empty()) {
+        cudaEvent_t e = free_events.back();
+        free_events.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+
+  void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
+                      std::vector<std::size_t>& sizes) {
+    if (dsts.empty()) return;
+    stats.copies += static_cast<int>(dsts.size());
+#if CUDART_VERSION >= 12080
+    if (batch_copies && stream != nullptr && stream != cudaStreamLegacy) {
+      cudaMemcpyAttributes attributes{};
+      attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // keep SMs free: copy engines
+      std::size_t attribute_index = 0;
+#if CUDART_VERSION >= 13000
+      const cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                                      dsts.size(), &attributes, &attribute_index,
+                                                      1, stream);
+#else
+      std::size_t fail_index = 0;
+      const cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                                      dsts.size(), &attributes, &attribute_index,
+                                                      1, &fail_index, stream);
+#endif
+      if (status == cudaSuccess) return;
+      // Unsupported here (driver, stream kind): fall back for good. A real addressing error
+      // shows up again, with its own message, in cudaMemcpyAsync below.
+      (void)cudaGetLastError();
+      batch_copies = false;
+    }
+#endif
+    for (std::size_t i = 0; i < dsts.size(); ++i)
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream));
+  }
+
+  template <class Launch>
+  void launch_timed(bool reduce, Launch&& launch) {
+    cudaEvent_t start = nullptr, end = nullptr;
+    if (stats_enabled) {
+      TIDE_CUDA_CHECK(cudaEventCreate(&start));
+      TIDE_CUDA_CHECK(cudaEventCreate(&end));
+      TIDE_CUDA_CHECK(cudaEventRecord(start, stream));
+    }
+    const cuda_kernels::LaunchInfo info = launch();
+    stats.kernel_launches += info.launches;
+    if (stats_enabled) {
+      TIDE_CUDA_CHECK(cudaEventRecord(end, stream));
+      timings.push_back({start, end, info.max_ctas, reduce});
+    }
+  }
+
+  void enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag) {
+    const int rank = window.rank();
+    FlagWord* flag = window.flags(rank) + flag_index(wait.kind, wait.peer, window.world());
+    PendingWait record{0, take_event(), take_event(), flag, epoch, tag, wait.peer, wait.kind, phase};
+    TIDE_CUDA_CHECK(cudaEventRecord(record.before, stream));
+    TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch), epoch,
+                                          CU_STREAM_WAIT_VALUE_GEQ));
+    TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->tag), tag,
+                                          CU_STREAM_WAIT_VALUE_EQ));
+    TIDE_CUDA_CHECK(cudaEventRecord(record.after, stream));
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      record.id = next_wait_id++;
+      pending.push_back(record);
+    }
+    wake.notify_one();
+  }
+
+  void enqueue_signal(const SignalOp& signal, uint64_t epoch, uint64_t tag) {
+    FlagWord* flag =
+        window.flags(signal.peer) + flag_index(signal.kind, window.rank(), window.world());
+    TIDE_CU_CHECK(api.stream_write_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->tag), tag,
+                                           CU_STREAM_WRITE_VALUE_DEFAULT));
+    TIDE_CU_CHECK(api.stream_write_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch),
+                                           epoch, CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
+
+  void throw_if_failed() {
+    if (watchdog_dead.load() || failed.load()) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (error) std::rethrow_exception(error);
+    }
+  }
+
+  // Waits for `s` without blocking in the driver, so a dead watchdog cannot leave us hanging.
+  void wait_stream(cudaStream_t s) {
+    for (int spin = 0;; ++spin) {
+      const cudaError_t status = cudaStreamQuery(s);
+      if (status == cudaSuccess) return;
+      if (status != cudaErrorNotReady) TIDE_CUDA_CHECK(status);
+      if (watchdog_dead.load()) throw_if_failed();
+      if (spin < 64)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  void collect_timings() {
+    for (const KernelTiming& t : timings) {
+      float ms = 0;
+      TIDE_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.end));
+      (t.reduce ? stats.reduce_cta_us : stats.cast_cta_us) += 1000.0 * ms * t.ctas;
+      (void)cudaEventDestroy(t.start);
+      (void)cudaEventDestroy(t.end);
+    }
+    timings.clear();
+  }
+
+  // ---- Watchdog thread. ----
+
+  void store_error(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!error) error = e;
+    failed = true;
+  }
+
+  FlagWord read_flag(const FlagWord* flag) {
+    TIDE_CUDA_CHECK(cudaMemcpyAsync(pinned, flag, sizeof(FlagWord), cudaMemcpyDeviceToHost,
+                                    side_stream));
+    TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
+    return pinned[0];
+  }
+
+  void write_flags(FlagWord* flags, std::size_t count, uint64_t tag) {
+    for (std::size_t i = 0; i < count; ++i) pinned[i] = FlagWord{kReleaseEpoch, tag};
+    TIDE_CUDA_CHECK(cudaMemcpyAsync(flags, pinned, count * sizeof(FlagWord),
+                                    cudaMemcpyHostToDevice, side_stream));
+    TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
+  }
+
+  std::exception_ptr diagnose(const PendingWait& w, const FlagWord& seen) {
+    const int rank = window.rank();
+    const bool epoch_arrived = static_cast<int64_t>(seen.epoch - w.epoch) >= 0;
+    if (epoch_arrived) {
+      return std::make_exception_ptr(DesyncError(detail::concat(
+          "rank ", rank, " runs ", describe_tag(w.tag), " at epoch ", w.epoch, " (phase ",
+          phase_name(w.phase), ") but rank ", w.peer, " signalled ", describe_tag(seen.tag),
+          " at epoch ", seen.epoch, ": the ranks called collectives in different orders")));
+    }
+    return std::make_exception_ptr(TimeoutError(detail::concat(
+        "rank ", rank, ": timed out after ", timeout.count(), " ms waiting for ",
+        flag_kind_name(w.kind), " from rank ", w.peer, " (", describe_tag(w.tag), ", phase ",
+        phase_name(w.phase), ", epoch ", w.epoch, ") on the GPU; last signal from rank ", w.peer,
+        ": ",
+        seen.epoch == 0 ? std::string("none")
+                        : detail::concat("epoch ", seen.epoch, ", ", describe_tag(seen.tag)),
+        ". The peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is "
+        "only slow)")));
+  }
+
+  void watchdog_loop() {
+    try {
+      TIDE_CUDA_CHECK(cudaSetDevice(window.device()));
+      uint64_t stuck_id = UINT64_MAX;
+      Clock::time_point stuck_since{};
+      std::unique_lock<std::mutex> lock(mutex);
+      for (;;) {
+        if (pending.empty()) {
+          if (stop) return;
+          wake.wait(lock);
+          continue;
+        }
+        const PendingWait w = pending.front();
+        lock.unlock();
+        const cudaError_t after = cudaEventQuery(w.after);
+        if (after == cudaSuccess) {
+          lock.lock();
+          pending.pop_front();
+          free_events.push_back(w.before);
+          free_events.push_back(w.after);
+          continue;
+        }
+        if (after != cudaErrorNotReady) TIDE_CUDA_CHECK(after);
+        const cudaError_t before = cudaEventQuery(w.before);
+        if (before != cudaSuccess && before != cudaErrorNotReady) TIDE_CUDA_CHECK(before);
+        bool draining = failed.load();
+        if (before == cudaSuccess) {
+          const Clock::time_point now = Clock::now();
+          if (stuck_id != w.id) stuck_id = w.id, stuck_since = now;
+          if (!draining && now - stuck_since >= timeout) {
+            store_error(diagnose(w, read_flag(w.flag)));
+            // Release every own flag at once (this program's remaining waits pass quickly);
+            // waits of later programs, or flags a live peer overwrites, are released one by one.
+            write_flags(window.flags(window.rank()), kNumFlagKinds * window.world(), w.tag);
+            draining = true;
+          } else if (draining) {
+            write_flags(w.flag, 1, w.tag);
+          }
+        }
+        std::this_thread::sleep_for(draining ? std::chrono::microseconds(100)
+                                              : std::chrono::microseconds(1000));
+        lock.lock();
+      }
+    } catch (...) {
+      // A CUDA error here (the context is broken): report it and stop; wait_stream() and
+      // throw_if_failed() see watchdog_dead and throw instead of waiting for a drain.
+      store_error(std::current_exception());
+      watchdog_dead = true;
+      std::lock_guard<std::mutex> lock(mutex);
+      pending.clear();
+    }
+  }
+};
+
+CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::milliseconds timeout)
+    : impl_(std::make_unique<Impl>(window, stream, timeout)) {
+  TIDE_CHECK_ARG(timeout.count() > 0, "CudaExecutor", "timeout_ms", timeout.count(), "> 0");
+  int device = 0;
+  TIDE_CUDA_CHECK(cudaGetDevice(&device));
+  TIDE_CHECK_ARG(device == window.device(), "CudaExecutor", "current device", device,
+                 detail::concat(window.device(), " (the window's device)"));
+  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->side_stream, cudaStreamNonBlocking));
+  void* pinned = nullptr;
+  TIDE_CUDA_CHECK(cudaMallocHost(&pinned, sizeof(FlagWord) * kNumFlagKinds * window.world()));
+  impl_->pinned = static_cast<FlagWord*>(pinned);
+  impl_->streams_used.push_back(impl_->stream);
+  impl_->watchdog = std::thread([impl = impl_.get()] { impl->watchdog_loop(); });
+}
+
+CudaExecutor::~CudaExecutor() {
+  Impl& d = *impl_;
+  for (cudaStream_t s : d.streams_used) {
+    try {
+      d.wait_stream(s);
+    } catch (...) {
+      // Destructors do not throw; synchronize() is where errors are reported.
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    d.stop = true;
+  }
+  d.wake.notify_all();
+  d.watchdog.join();
+  for (const PendingWait& w : d.pending) {
+    (void)cudaEventDestroy(w.before);
+    (void)cudaEventDestroy(w.after);
+  }
+  for (cudaEvent_t e : d.free_events) (void)cudaEventDestroy(e);
+  for (const KernelTiming& t : d.timings) {
+    (void)cudaEventDestroy(t.start);
+    (void)cudaEventDestroy(t.end);
+  }
+  (void)cudaStreamDestroy(d.side_stream);
+  (void)cudaFreeHost(d.pinned);
+  (void)cudaGetLastError();
+}
+
+int CudaExecutor::rank() const { return impl_->window.rank(); }
+int CudaExecutor::world() const { return impl_->window.world(); }
+void* CudaExecutor::stream() const { return impl_->stream; }
+
+void CudaExecutor::set_stream(void* stream) {
+  impl_->stream = static_cast<cudaStream_t>(stream);
+  auto& used = impl_->streams_used;
+  if (std::find(used.begin(), used.end(), impl_->stream) == used.end())
+    used.push_back(impl_->stream);
+}
+
+void CudaExecutor::run(const Program& program, const Bindings& bindings) {
+  Impl& d = *impl_;
+  CudaWindow& window = d.window;
+  const int rank = window.rank();
+  const int world = window.world();
+  validate_run(program, bindings, rank, world, window.data_bytes(), window.data(rank));
+  d.throw_if_failed();
+  const uint64_t epoch = window.next_epoch();
+  const uint64_t tag = program.tag();
+
+  auto resolve = [&](const Address& a) -> std::byte* {
+    switch (a.space) {
+      case Space::kWindow: return window.data(a.index) + a.offset;
+      case Space::kInput:
+        return const_cast<std::byte*>(static_cast<const std::byte*>(bindings.inputs[a.index])) +
+               a.offset;
+      case Space::kOutput: return static_cast<std::byte*>(bindings.outputs[a.index]) + a.offset;
+    }
+    return nullptr;
+  };
+
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<std::size_t> sizes;
+  const std::vector<Step>& steps = program.steps;
+  for (std::size_t i = 0; i < steps.size();) {
+    const Step& step = steps[i];
+    if (std::holds_alternative<CastOp>(step.op)) {
+      // Consecutive casts write disjoint slots: same-type ones become one copy batch (+ memsets
+      // of their pads), the rest one kernel.
+      std::vector<cuda_kernels::CastSpec> casts;
+      dsts.clear(), srcs.clear(), sizes.clear();
+      for (; i < steps.size() && std::holds_alternative<CastOp>(steps[i].op); ++i) {
+        const CastOp& cast = std::get<CastOp>(steps[i].op);
+        std::byte* dst = resolve(cast.dst);
+        const std::size_t dst_size = dtype_size(cast.dst_dtype);
+        if (cast.src_dtype == cast.dst_dtype) {
+          if (cast.count > 0) {
+            dsts.push_back(dst);
+            srcs.push_back(resolve(cast.src));
+            sizes.push_back(static_cast<std::size_t>(cast.count) * dst_size);
+          }
+          if (cast.pad > 0)
+            TIDE_CUDA_CHECK(cudaMemsetAsync(dst + cast.count * dst_size, 0, cast.pad * dst_size,
+                                            d.stream));
+        } else {
+          casts.push_back({cast.count > 0 ? resolve(cast.src) : nullptr, dst, cast.count, cast.pad,
+                           element_type(cast.src_dtype), element_type(cast.dst_dtype)});
+        }
+      }
+      d.enqueue_copies(dsts, srcs, sizes);
+      if (!casts.empty())
+        d.launch_timed(false, [&] {
+          return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, d.stream);
+        });
+    } else if (std::holds_alternative<ReduceOp>(step.op)) {
+      std::vector<cuda_kernels::ReduceSpec> reduces;
+      std::vector<const void*> sources;  // world per reduce, filled first: specs point into it
+      const std::size_t first = i;
+      for (; i < steps.size() && std::holds_alternative<ReduceOp>(steps[i].op); ++i) {
+        const ReduceOp& reduce = std::get<ReduceOp>(steps[i].op);
+        TIDE_CHECK_ARG(static_cast<int>(reduce.sources.size()) == world, "CudaExecutor::run",
+                       detail::concat("reduce of param ", reduce.param, ": sources"),
+                       reduce.sources.size(), detail::concat(world, " (one per rank)"));
+        for (const Address& a : reduce.sources) sources.push_back(resolve(a));
+      }
+      for (std::size_t k = first; k < i; ++k) {
+        const ReduceOp& reduce = std::get<ReduceOp>(steps[k].op);
+        reduces.push_back({sources.data() + (k - first) * world, resolve(reduce.dst), reduce.count,
+                           reduce.prescale, reduce.scale, reduce.accumulate,
+                           element_type(reduce.src_dtype), element_type(reduce.dst_dtype)});
+      }
+      d.launch_timed(true, [&] {
+        return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), world, 0, d.stream);
+      });
+    } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
+      dsts.clear(), srcs.clear(), sizes.clear();
+      for (const CopyOp& c : batch->copies) {
+        if (c.bytes == 0) continue;
+        dsts.push_back(resolve(c.dst));
+        srcs.push_back(resolve(c.src));
+        sizes.push_back(c.bytes);
+      }
+      d.enqueue_copies(dsts, srcs, sizes);
+      ++i;
+    } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
+      d.enqueue_signal(*signal, epoch, tag);
+      ++i;
+    } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
+      d.enqueue_wait(*wait, step.phase, epoch, tag);
+      ++i;
+    } else {
+      ++i;
+    }
+  }
+}
+
+void CudaExecutor::synchronize() {
+  Impl& d = *impl_;
+  for (cudaStream_t s : d.streams_used) d.wait_stream(s);
+  d.streams_used.assign(1, d.stream);
+  d.collect_timings();
+  d.throw_if_failed();
+}
+
+void CudaExecutor::enable_stats(bool enabled) { impl_->stats_enabled = enabled; }
+
+CudaExecutor::Stats CudaExecutor::stats() {
+  synchronize();
+  return impl_->stats;
+}
+
+void CudaExecutor::reset_stats() { impl_->stats = Stats{}; }
+
+}  // namespace tide

@@ -1,0 +1,62 @@
+#include "driver_api.hpp"
+
+#include <mutex>
+#include <string>
+
+#include "cuda_check.hpp"
+
+namespace tide::cuda_detail {
+
+void throw_cuda_error(const char* call, cudaError_t error, const char* file, int line) {
+  throw SystemError(detail::concat(call, " failed: ", cudaGetErrorName(error), " (",
+                                   cudaGetErrorString(error), ") at ", file, ":", line,
+                                   ", expected cudaSuccess"));
+}
+
+void throw_cu_error(const char* call, CUresult error, const char* file, int line) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  const DriverApi& api = driver_api();
+  if (api.get_error_name) api.get_error_name(error, &name);
+  if (api.get_error_string) api.get_error_string(error, &text);
+  throw SystemError(detail::concat(call, " failed: ", name ? name : "CUresult",
+                                   " ", static_cast<int>(error), " (", text ? text : "?", ") at ",
+                                   file, ":", line, ", expected CUDA_SUCCESS"));
+}
+
+namespace {
+
+// 12.0 asks for the stream memory operations' current ABI (the _v2 functions of CUDA 11.7+) and
+// is below every driver that can run this CUDA 13 runtime.
+constexpr unsigned kEntryPointVersion = 12000;
+
+template <class Fn>
+void resolve(const char* symbol, Fn& fn) {
+  void* pointer = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  TIDE_CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &pointer, kEntryPointVersion,
+                                                   cudaEnableDefault, &status));
+  if (status != cudaDriverEntryPointSuccess || pointer == nullptr)
+    throw SystemError(detail::concat("cudaGetDriverEntryPointByVersion(\"", symbol, "\", ",
+                                     kEntryPointVersion, "): query result ",
+                                     static_cast<int>(status),
+                                     ", expected cudaDriverEntryPointSuccess (the driver is too "
+                                     "old or lacks stream memory operations)"));
+  fn = reinterpret_cast<Fn>(pointer);
+}
+
+}  // namespace
+
+const DriverApi& driver_api() {
+  static DriverApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    resolve("cuGetErrorName", api.get_error_name);
+    resolve("cuGetErrorString", api.get_error_string);
+    resolve("cuStreamWriteValue64", api.stream_write_value64);
+    resolve("cuStreamWaitValue64", api.stream_wait_value64);
+  });
+  return api;
+}
+
+}  // namespace tide::cuda_detail

@@ -1,0 +1,498 @@
+// Cast and reduce kernels. See kernels.cuh for the contract; the arithmetic must stay exactly the
+// host executor's (src/executor/host/host_executor.cpp, src/layout/dtype.cpp).
+#include "kernels.cuh"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include "cuda_check.hpp"
+
+namespace tide::cuda_kernels {
+namespace {
+
+// ---- Conversions, bit for bit as tide/dtype.hpp's host versions. -----------------------------
+
+__device__ __forceinline__ float bf16_to_float(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+
+__device__ __forceinline__ uint16_t float_to_bf16(float value) {
+  uint32_t u = __float_as_uint(value);
+  if (isnan(value)) return static_cast<uint16_t>((u >> 16) | 0x0040);  // quiet NaN, as the host
+  u += 0x7FFF + ((u >> 16) & 1);                                        // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+__device__ __forceinline__ float fp16_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+  const uint32_t exp = (bits >> 10) & 0x1F;
+  const uint32_t mant = bits & 0x3FF;
+  if (exp == 0) {
+    const float v = __fmul_rn(static_cast<float>(mant), 1.0f / 16777216.0f);  // exact
+    return sign ? -v : v;
+  }
+  if (exp == 31) return __uint_as_float(sign | 0x7F800000u | (mant << 13));  // keeps NaN payloads
+  return __uint_as_float(sign | ((exp - 15 + 127) << 23) | (mant << 13));
+}
+
+__device__ __forceinline__ uint16_t float_to_fp16(float value) {
+  if (isnan(value))
+    return static_cast<uint16_t>(((__float_as_uint(value) >> 16) & 0x8000) | 0x7E00);
+  // IEEE round to nearest even, subnormals and overflow to inf included: the host's algorithm.
+  return __half_as_ushort(__float2half_rn(value));
+}
+
+template <ElementType T>
+struct Element;
+template <>
+struct Element<kBF16> {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float to_float(Storage s) { return bf16_to_float(s); }
+  static __device__ __forceinline__ Storage from_float(float v) { return float_to_bf16(v); }
+};
+template <>
+struct Element<kFP16> {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float to_float(Storage s) { return fp16_to_float(s); }
+  static __device__ __forceinline__ Storage from_float(float v) { return float_to_fp16(v); }
+};
+template <>
+struct Element<kFP32> {
+  using Storage = float;
+  static __device__ __forceinline__ float to_float(Storage s) { return s; }
+  static __device__ __forceinline__ Storage from_float(float v) { return v; }
+};
+
+template <ElementType T>
+__device__ __forceinline__ float load_scalar(const void* base, int64_t index) {
+  return Element<T>::to_float(static_cast<const typename Element<T>::Storage*>(base)[index]);
+}
+
+template <ElementType T>
+__device__ __forceinline__ void store_scalar(void* base, int64_t index, float value) {
+  static_cast<typename Element<T>::Storage*>(base)[index] = Element<T>::from_float(value);
+}
+
+// Eight consecutive elements starting at `index` (a multiple of 8; base 16-byte aligned): one
+// 16-byte access for 16-bit types, two for fp32.
+template <ElementType T>
+__device__ __forceinline__ void load8(const void* base, int64_t index, float (&out)[8]) {
+  if constexpr (T == kFP32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + index);
+    const float4 a = p[0], b = p[1];
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  } else {
+    const uint4 raw =
+        *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + index);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      out[2 * j] = Element<T>::to_float(static_cast<uint16_t>(words[j] & 0xFFFF));
+      out[2 * j + 1] = Element<T>::to_float(static_cast<uint16_t>(words[j] >> 16));
+    }
+  }
+}
+
+template <ElementType T>
+__device__ __forceinline__ void store8(void* base, int64_t index, const float (&in)[8]) {
+  if constexpr (T == kFP32) {
+    float4* p = reinterpret_cast<float4*>(static_cast<float*>(base) + index);
+    p[0] = make_float4(in[0], in[1], in[2], in[3]);
+    p[1] = make_float4(in[4], in[5], in[6], in[7]);
+  } else {
+    uint32_t words[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      words[j] = static_cast<uint32_t>(Element<T>::from_float(in[2 * j])) |
+                 (static_cast<uint32_t>(Element<T>::from_float(in[2 * j + 1])) << 16);
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + index) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+// ---- Task tables, passed by value as __grid_constant__ kernel parameters. --------------------
+
+struct CastTask {
+  const void* src;
+  void* dst;
+  int64_t count;       // converted elements
+  int64_t total;       // count + pad
+  int64_t tile_begin;  // first tile of this task in the launch
+  uint8_t src_type;
+  uint8_t dst_type;
+  uint8_t vectorized;
+};
+
+template <int kTasks>
+struct CastTable {
+  int num_tasks;
+  int64_t num_tiles;
+  CastTask tasks[kTasks];
+};
+
+struct ReduceTask {
+  void* dst;
+  int64_t count;
+  int64_t tile_begin;
+  float prescale;
+  float scale;
+  int32_t source_begin;  // index of this task's first source in the table's `sources`
+  uint8_t src_type;
+  uint8_t dst_type;
+  uint8_t accumulate;
+  uint8_t vectorized;
+};
+
+template <int kTasks, int kSources>
+struct ReduceTable {
+  int num_tasks;
+  int num_sources;  // per task (= world)
+  int64_t num_tiles;
+  ReduceTask tasks[kTasks];
+  const void* sources[kSources];
+};
+
+// Kernel parameters may take 32764 bytes (CUDA >= 12.1, Volta and newer). Small tables keep the
+// common launch cheap; large ones serve big buckets and worlds.
+using SmallCastTable = CastTable<16>;
+using LargeCastTable = CastTable<640>;
+using SmallReduceTable = ReduceTable<16, 256>;
+using LargeReduceTable = ReduceTable<128, kMaxSources>;
+static_assert(sizeof(LargeCastTable) <= 32764, "cast table exceeds the kernel parameter limit");
+static_assert(sizeof(LargeReduceTable) <= 32764, "reduce table exceeds the kernel parameter limit");
+
+// ---- Cast. -----------------------------------------------------------------------------------
+
+template <ElementType Src, ElementType Dst>
+__device__ __forceinline__ void cast_tile(const CastTask& task, int64_t begin, int64_t end) {
+  if (task.vectorized) {
+    for (int64_t e = begin + threadIdx.x * 8; e < end; e += kThreadsPerCta * 8) {
+      if (e + 8 <= task.count) {
+        float v[8];
+        load8<Src>(task.src, e, v);
+        store8<Dst>(task.dst, e, v);
+      } else if (e >= task.count && e + 8 <= end) {
+        const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        store8<Dst>(task.dst, e, zeros);
+      } else {
+        for (int64_t k = e; k < min(e + 8, end); ++k)
+          store_scalar<Dst>(task.dst, k, k < task.count ? load_scalar<Src>(task.src, k) : 0.0f);
+      }
+    }
+  } else {
+    for (int64_t k = begin + threadIdx.x; k < end; k += kThreadsPerCta)
+      store_scalar<Dst>(task.dst, k, k < task.count ? load_scalar<Src>(task.src, k) : 0.0f);
+  }
+}
+
+template <ElementType Src>
+__device__ __forceinline__ void cast_tile_dispatch_dst(const CastTask& task, int64_t begin, int64_t end) {
+  switch (task.dst_type) {
+    case kBF16: cast_tile<Src, kBF16>(task, begin, end); break;
+    case kFP16: cast_tile<Src, kFP16>(task, begin, end); break;
+    default: cast_tile<Src, kFP32>(task, begin, end); break;
+  }
+}
+
+template <class Table>
+__global__ void __launch_bounds__(kThreadsPerCta, 4) cast_kernel(const __grid_constant__ Table table) {
+  int t = 0;
+  for (int64_t tile = blockIdx.x; tile < table.num_tiles; tile += gridDim.x) {
+    while (t + 1 < table.num_tasks && table.tasks[t + 1].tile_begin <= tile) ++t;
+    const CastTask& task = table.tasks[t];
+    const int64_t begin = (tile - task.tile_begin) * kTileElements;
+    const int64_t end = min(begin + kTileElements, task.total);
+    switch (task.src_type) {
+      case kBF16: cast_tile_dispatch_dst<kBF16>(task, begin, end); break;
+      case kFP16: cast_tile_dispatch_dst<kFP16>(task, begin, end); break;
+      default: cast_tile_dispatch_dst<kFP32>(task, begin, end); break;
+    }
+  }
+}
+
+// ---- Reduce. ---------------------------------------------------------------------------------
+
+// One element: acc = 0; acc += prescale * src_p for p in order; r = acc * scale; r += old.
+template <ElementType Src, ElementType Dst>
+__device__ __forceinline__ void reduce_scalar(const ReduceTask& task, const void* const* sources,
+                                              int num_sources, int64_t k) {
+  float acc = 0.0f;
+  for (int p = 0; p < num_sources; ++p)
+    acc = __fadd_rn(acc, __fmul_rn(load_scalar<Src>(sources[p], k), task.prescale));
+  float result = __fmul_rn(acc, task.scale);
+  if (task.accumulate) result = __fadd_rn(load_scalar<Dst>(task.dst, k), result);
+  store_scalar<Dst>(task.dst, k, result);
+}
+
+// A full tile, vectorised: two passes; in each, every thread owns kVectors vectors of 8 elements
+// (strided by the CTA so the warp's accesses coalesce) and keeps them all in flight per source.
+// Two vectors per pass keep the kernel within 64 registers (4 CTAs per SM) without spilling.
+template <ElementType Src, ElementType Dst>
+__device__ __forceinline__ void reduce_full_tile(const ReduceTask& task,
+                                                 const void* const* sources, int num_sources,
+                                                 int64_t begin) {
+  constexpr int kVectors = 2;
+  constexpr int kPasses = static_cast<int>(kTileElements / (kThreadsPerCta * 8 * kVectors));
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int64_t first = begin + pass * (kThreadsPerCta * 8 * kVectors) + threadIdx.x * 8;
+    float acc[kVectors][8];
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[v][j] = 0.0f;
+#pragma unroll 2
+    for (int p = 0; p < num_sources; ++p) {
+      float x[kVectors][8];
+#pragma unroll
+      for (int v = 0; v < kVectors; ++v) load8<Src>(sources[p], first + v * kThreadsPerCta * 8, x[v]);
+#pragma unroll
+      for (int v = 0; v < kVectors; ++v)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          acc[v][j] = __fadd_rn(acc[v][j], __fmul_rn(x[v][j], task.prescale));
+    }
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v) {
+      const int64_t e = first + v * kThreadsPerCta * 8;
+      float r[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(acc[v][j], task.scale);
+      if (task.accumulate) {
+        float old[8];
+        load8<Dst>(task.dst, e, old);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) r[j] = __fadd_rn(old[j], r[j]);
+      }
+      store8<Dst>(task.dst, e, r);
+    }
+  }
+}
+
+template <ElementType Src, ElementType Dst>
+__device__ void reduce_tile(const ReduceTask& task, const void* const* sources, int num_sources,
+                            int64_t begin, int64_t end) {
+  if (task.vectorized && end - begin == kTileElements) {
+    reduce_full_tile<Src, Dst>(task, sources, num_sources, begin);
+  } else if (task.vectorized) {
+    for (int64_t e = begin + threadIdx.x * 8; e < end; e += kThreadsPerCta * 8) {
+      if (e + 8 <= end) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int p = 0; p < num_sources; ++p) {
+          float x[8];
+          load8<Src>(sources[p], e, x);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(x[j], task.prescale));
+        }
+        float r[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(acc[j], task.scale);
+        if (task.accumulate) {
+          float old[8];
+          load8<Dst>(task.dst, e, old);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) r[j] = __fadd_rn(old[j], r[j]);
+        }
+        store8<Dst>(task.dst, e, r);
+      } else {
+        for (int64_t k = e; k < end; ++k) reduce_scalar<Src, Dst>(task, sources, num_sources, k);
+      }
+    }
+  } else {
+    for (int64_t k = begin + threadIdx.x; k < end; k += kThreadsPerCta)
+      reduce_scalar<Src, Dst>(task, sources, num_sources, k);
+  }
+}
+
+template <ElementType Src>
+__device__ void reduce_tile_dispatch_dst(const ReduceTask& task, const void* const* sources,
+                                         int num_sources, int64_t begin, int64_t end) {
+  switch (task.dst_type) {
+    case kBF16: reduce_tile<Src, kBF16>(task, sources, num_sources, begin, end); break;
+    case kFP16: reduce_tile<Src, kFP16>(task, sources, num_sources, begin, end); break;
+    default: reduce_tile<Src, kFP32>(task, sources, num_sources, begin, end); break;
+  }
+}
+
+template <class Table>
+__global__ void __launch_bounds__(kThreadsPerCta, 4) reduce_kernel(const __grid_constant__ Table table) {
+  int t = 0;
+  for (int64_t tile = blockIdx.x; tile < table.num_tiles; tile += gridDim.x) {
+    while (t + 1 < table.num_tasks && table.tasks[t + 1].tile_begin <= tile) ++t;
+    const ReduceTask& task = table.tasks[t];
+    const void* const* sources = table.sources + task.source_begin;
+    const int64_t begin = (tile - task.tile_begin) * kTileElements;
+    const int64_t end = min(begin + kTileElements, task.count);
+    switch (task.src_type) {
+      case kBF16: reduce_tile_dispatch_dst<kBF16>(task, sources, table.num_sources, begin, end); break;
+      case kFP16: reduce_tile_dispatch_dst<kFP16>(task, sources, table.num_sources, begin, end); break;
+      default: reduce_tile_dispatch_dst<kFP32>(task, sources, table.num_sources, begin, end); break;
+    }
+  }
+}
+
+// ---- Fill (benchmarks and tests). ------------------------------------------------------------
+
+template <ElementType T>
+__global__ void fill_random_kernel(void* buffer, int64_t count, uint64_t seed) {
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < count;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    store_scalar<T>(buffer, k, random_value(seed, k));
+}
+
+// ---- Host side. ------------------------------------------------------------------------------
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+int64_t tiles_of(int64_t elements) { return (elements + kTileElements - 1) / kTileElements; }
+
+void check_launch(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) cuda_detail::throw_cuda_error(kernel, status, __FILE__, __LINE__);
+}
+
+int grid_for(int64_t tiles, int max_ctas) {
+  const int cap = max_ctas > 0 ? max_ctas : default_max_ctas();
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(tiles, cap)));
+}
+
+template <class Table>
+int launch_cast_table(const std::vector<CastTask>& tasks, std::size_t first, std::size_t n,
+                      int max_ctas, cudaStream_t stream) {
+  Table table{};
+  table.num_tasks = static_cast<int>(n);
+  int64_t tiles = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    table.tasks[i] = tasks[first + i];
+    table.tasks[i].tile_begin = tiles;
+    tiles += tiles_of(table.tasks[i].total);
+  }
+  table.num_tiles = tiles;
+  const int grid = grid_for(tiles, max_ctas);
+  cast_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
+  check_launch("cast_kernel<<<>>>");
+  return grid;
+}
+
+template <class Table>
+int launch_reduce_table(const std::vector<ReduceTask>& tasks,
+                        const std::vector<const void*>& sources, int num_sources,
+                        std::size_t first, std::size_t n, int max_ctas, cudaStream_t stream) {
+  Table table{};
+  table.num_tasks = static_cast<int>(n);
+  table.num_sources = num_sources;
+  int64_t tiles = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    ReduceTask& task = table.tasks[i];
+    task = tasks[first + i];
+    task.tile_begin = tiles;
+    task.source_begin = static_cast<int32_t>(i * num_sources);
+    for (int p = 0; p < num_sources; ++p)
+      table.sources[i * num_sources + p] = sources[(first + i) * num_sources + p];
+    tiles += tiles_of(task.count);
+  }
+  table.num_tiles = tiles;
+  const int grid = grid_for(tiles, max_ctas);
+  reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
+  check_launch("reduce_kernel<<<>>>");
+  return grid;
+}
+
+}  // namespace
+
+int default_max_ctas() {
+  // CTAs of 256 threads at 4 per SM: 1024 resident threads per SM, enough 16-byte loads in flight
+  // to reach HBM bandwidth while leaving the other half of each SM to concurrent compute.
+  static std::mutex mutex;
+  static std::vector<int> per_device;
+  int device = 0;
+  TIDE_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<int>(per_device.size()) <= device) per_device.resize(device + 1, 0);
+  if (per_device[device] == 0) {
+    int sms = 0;
+    TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    per_device[device] = 4 * sms;
+  }
+  return per_device[device];
+}
+
+LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ctas,
+                        cudaStream_t stream) {
+  std::vector<CastTask> tasks;
+  tasks.reserve(num_specs);
+  for (std::size_t i = 0; i < num_specs; ++i) {
+    const CastSpec& s = specs[i];
+    if (s.count + s.pad == 0) continue;
+    tasks.push_back({s.src, s.dst, s.count, s.count + s.pad, 0, s.src_type, s.dst_type,
+                     static_cast<uint8_t>(aligned16(s.src) && aligned16(s.dst))});
+  }
+  LaunchInfo info;
+  for (std::size_t first = 0; first < tasks.size();) {
+    const std::size_t n = std::min<std::size_t>(tasks.size() - first, 640);
+    const int grid = n <= 16 ? launch_cast_table<SmallCastTable>(tasks, first, n, max_ctas, stream)
+                             : launch_cast_table<LargeCastTable>(tasks, first, n, max_ctas, stream);
+    info.launches += 1;
+    info.max_ctas = std::max(info.max_ctas, grid);
+    first += n;
+  }
+  return info;
+}
+
+LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
+                          int max_ctas, cudaStream_t stream) {
+  TIDE_CHECK_ARG(num_sources >= 1 && num_sources <= kMaxSources, "launch_reduces", "num_sources",
+                 num_sources, detail::concat("in [1, ", kMaxSources, "]"));
+  std::vector<ReduceTask> tasks;
+  std::vector<const void*> sources;
+  tasks.reserve(num_specs);
+  for (std::size_t i = 0; i < num_specs; ++i) {
+    const ReduceSpec& s = specs[i];
+    if (s.count == 0) continue;
+    bool vectorized = aligned16(s.dst);
+    for (int p = 0; p < num_sources; ++p) {
+      vectorized = vectorized && aligned16(s.sources[p]);
+      sources.push_back(s.sources[p]);
+    }
+    tasks.push_back({s.dst, s.count, 0, s.prescale, s.scale, 0, s.src_type, s.dst_type,
+                     static_cast<uint8_t>(s.accumulate), static_cast<uint8_t>(vectorized)});
+  }
+  LaunchInfo info;
+  const bool small_fits = num_sources * 16 <= 256;
+  const std::size_t large_per_launch =
+      std::min<std::size_t>(128, static_cast<std::size_t>(kMaxSources / num_sources));
+  for (std::size_t first = 0; first < tasks.size();) {
+    const std::size_t remaining = tasks.size() - first;
+    int grid = 0;
+    std::size_t n = 0;
+    if (small_fits && remaining <= 16) {
+      n = remaining;
+      grid = launch_reduce_table<SmallReduceTable>(tasks, sources, num_sources, first, n, max_ctas,
+                                                   stream);
+    } else {
+      n = std::min(remaining, large_per_launch);
+      grid = launch_reduce_table<LargeReduceTable>(tasks, sources, num_sources, first, n, max_ctas,
+                                                   stream);
+    }
+    info.launches += 1;
+    info.max_ctas = std::max(info.max_ctas, grid);
+    first += n;
+  }
+  return info;
+}
+
+void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t seed,
+                        cudaStream_t stream) {
+  if (count <= 0) return;
+  const int grid = static_cast<int>(std::min<int64_t>((count + 255) / 256, 4096));
+  switch (type) {
+    case kBF16: fill_random_kernel<kBF16><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
+    case kFP16: fill_random_kernel<kFP16><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
+    case kFP32: fill_random_kernel<kFP32><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
+  }
+  check_launch("fill_random_kernel<<<>>>");
+}
+
+}  // namespace tide::cuda_kernels

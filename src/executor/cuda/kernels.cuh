@@ -1,0 +1,87 @@
+// The two kernels of the CUDA executor, and their host-side launchers. Both take a task table by
+// value (a __grid_constant__ kernel parameter), so one launch serves every CastOp (or ReduceOp) of
+// a program and nothing has to be uploaded or kept alive: the launch copies the table.
+//
+// Arithmetic is exactly the host executor's: conversions bit for bit as tide/dtype.hpp's (round to
+// nearest even, same NaN encodings), fp32 accumulation with explicit __fadd_rn/__fmul_rn (never
+// contracted into FMAs) in fixed rank order, so results are bitwise identical to HostExecutor's.
+//
+// Plain C++ (no CUDA syntax) so that .cpp files compiled by the host compiler can include it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace tide::cuda_kernels {
+
+// Element types, numbered as tide::DType (checked by a static_assert in cuda_executor.cpp).
+enum ElementType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+
+// dst[0:count] = convert(src[0:count]); dst[count:count+pad] = 0.
+struct CastSpec {
+  const void* src;  // may be null when count == 0
+  void* dst;
+  int64_t count;
+  int64_t pad;
+  ElementType src_type;
+  ElementType dst_type;
+};
+
+// dst[k] (+)= scale * sum_{p in order} (prescale * float(sources[p][k])), k < count.
+struct ReduceSpec {
+  const void* const* sources;  // num_sources pointers (host array; copied into the launch)
+  void* dst;
+  int64_t count;
+  float prescale;
+  float scale;
+  bool accumulate;
+  ElementType src_type;
+  ElementType dst_type;
+};
+
+struct LaunchInfo {
+  int launches = 0;  // kernel launches (tables larger than one launch's parameter are chunked)
+  int max_ctas = 0;  // the largest grid among them
+};
+
+// CTAs of 256 threads; each handles tiles of 8192 elements (16-byte vectors when every pointer of
+// the task is 16-byte aligned, scalar otherwise), grid-striding over all tasks' tiles.
+inline constexpr int kThreadsPerCta = 256;
+inline constexpr int64_t kTileElements = 8192;
+inline constexpr int kMaxSources = 3072;  // ranks a reduce can sum (one launch's parameter space)
+
+// The grid cap used when max_ctas <= 0: CTAs per SM x SMs of the current device.
+int default_max_ctas();
+
+// Enqueue the casts (any src/dst types) / reduces on `stream`. Grids are min(tiles, max_ctas).
+// Throw tide::SystemError on a launch error, InvalidArgument for more than kMaxSources sources
+// per task.
+LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ctas,
+                        cudaStream_t stream);
+LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
+                          int max_ctas, cudaStream_t stream);
+
+#if defined(__CUDACC__)
+#define TIDE_HOST_DEVICE __host__ __device__
+#else
+#define TIDE_HOST_DEVICE
+#endif
+
+// Deterministic test data: an odd multiple of 2^-24 in (-1, 1), so never 0 and exact in fp32;
+// the same on host and device, so references need no copy of the device's inputs.
+TIDE_HOST_DEVICE inline float random_value(uint64_t seed, int64_t index) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(index) * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 29;
+  const int64_t odd = 2 * (static_cast<int64_t>(x >> 40) - (int64_t{1} << 23)) + 1;
+  return static_cast<float>(odd) * (1.0f / 16777216.0f);
+}
+
+// Fills buffer[k] = round(type, random_value(seed, k)), k < count (benchmarks, tests).
+void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t seed,
+                        cudaStream_t stream);
+
+}  // namespace tide::cuda_kernels
