@@ -485,7 +485,14 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
 
 void CudaExecutor::synchronize() {
   Impl& d = *impl_;
-  for (cudaStream_t s : d.streams_used) d.wait_stream(s);
+  try {
+    for (cudaStream_t s : d.streams_used) d.wait_stream(s);
+  } catch (const SystemError&) {
+    // A CUDA error after a wait timed out (say, a copy into a dead peer's memory) is a
+    // consequence; the watchdog's error names the cause.
+    d.throw_if_failed();
+    throw;
+  }
   d.streams_used.assign(1, d.stream);
   d.collect_timings();
   d.throw_if_failed();

@@ -1,0 +1,362 @@
+// Harness of the GPU tests: ranks as processes forked before this (parent) process touches CUDA,
+// scenarios (a sequence of collectives on one window) run identically by the host executor (the
+// reference, ranks as threads) and by the CUDA executor, and byte captures to compare.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tide/cuda.hpp"
+#include "tide/tide.hpp"
+
+// Visible in the test log: CI (no GPU) must show why nothing ran.
+#define TIDE_REQUIRE_GPU()                                                                  \
+  do {                                                                                      \
+    if (!::tide::cuda_device_available())                                                   \
+      GTEST_SKIP() << "no usable CUDA device (tide::cuda_device_available() is false): "     \
+                      "GPU test skipped";                                                   \
+  } while (0)
+
+namespace tide::gpu_test {
+
+// ---- Files and processes. ----------------------------------------------------------------------
+
+class TempDir {
+ public:
+  TempDir() {
+    char pattern[] = "/tmp/tide-gpu-test-XXXXXX";
+    if (::mkdtemp(pattern) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+inline void write_file(const std::string& path, const void* data, std::size_t bytes) {
+  std::ofstream out(path + ".tmp", std::ios::binary);
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+  out.close();
+  std::filesystem::rename(path + ".tmp", path);
+}
+
+inline bool read_file(const std::string& path, std::string& out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  out = ss.str();
+  return true;
+}
+
+// Forks `world` ranks; rank r runs body(r, bootstrap) over a FileBootstrap in `dir` and reports
+// "ok" or "<exception type>: <what>". Returns the reports; a rank that exits without one reports
+// "no result (...)", one still running after `deadline` is killed and reports so. The parent
+// process never calls CUDA (a fork()ed child of a CUDA process cannot use CUDA).
+inline std::vector<std::string> run_rank_processes(
+    const std::string& dir, int world, const std::function<void(int, Bootstrap&)>& body,
+    std::chrono::seconds deadline = std::chrono::seconds(240)) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = ::fork();
+    if (pid < 0) throw std::runtime_error("fork failed");
+    if (pid == 0) {
+      std::string report = "ok";
+      try {
+        FileBootstrap bootstrap(dir, r, world, std::chrono::milliseconds(120000));
+        body(r, bootstrap);
+      } catch (const TimeoutError& e) {
+        report = std::string("TimeoutError: ") + e.what();
+      } catch (const DesyncError& e) {
+        report = std::string("DesyncError: ") + e.what();
+      } catch (const InvalidArgument& e) {
+        report = std::string("InvalidArgument: ") + e.what();
+      } catch (const std::exception& e) {
+        report = std::string("error: ") + e.what();
+      }
+      write_file(dir + "/report." + std::to_string(r), report.data(), report.size());
+      ::_exit(0);  // no atexit handlers: the parent's gtest state is not the child's to finish
+    }
+    pids.push_back(pid);
+  }
+  const auto end = std::chrono::steady_clock::now() + deadline;
+  std::vector<std::string> reports(world);
+  std::vector<bool> done(world, false);
+  for (int remaining = world; remaining > 0;) {
+    for (int r = 0; r < world; ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
+        done[r] = true, --remaining;
+        if (!read_file(dir + "/report." + std::to_string(r), reports[r]))
+          reports[r] = "no result (exit status " + std::to_string(status) + ")";
+      }
+    }
+    if (remaining > 0 && std::chrono::steady_clock::now() > end) {
+      for (int r = 0; r < world; ++r)
+        if (!done[r]) {
+          ::kill(pids[r], SIGKILL);
+          ::waitpid(pids[r], nullptr, 0);
+          reports[r] = "killed: still running after the test's deadline";
+          done[r] = true;
+        }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return reports;
+}
+
+// Runs body(rank, bootstrap) on `world` threads of this process (a ThreadBootstrap each).
+inline std::vector<std::string> run_rank_threads(int world,
+                                                 const std::function<void(int, Bootstrap&)>& body) {
+  auto rendezvous = make_thread_rendezvous(world);
+  std::vector<std::string> reports(world, "ok");
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        ThreadBootstrap bootstrap(rendezvous, r, std::chrono::milliseconds(120000));
+        body(r, bootstrap);
+      } catch (const std::exception& e) {
+        reports[r] = std::string("error: ") + e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return reports;
+}
+
+// ---- Deterministic data (never zeros). -------------------------------------------------------
+
+inline float value_at(uint64_t seed, int param, int rank, int64_t k) {
+  uint64_t x = (seed + 1) * 0x9E3779B97F4A7C15ull ^ (uint64_t(param) << 40) ^
+               (uint64_t(rank + 1) << 20) ^ uint64_t(k) * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 29;
+  return static_cast<float>(2 * (static_cast<int64_t>(x >> 40) - (1 << 23)) + 1) /
+         float(1 << 24);
+}
+
+inline std::vector<std::byte> make_values(DType dtype, int64_t n, uint64_t seed, int param,
+                                          int rank) {
+  std::vector<std::byte> bytes(std::max<int64_t>(n, 1) * dtype_size(dtype));
+  for (int64_t k = 0; k < n; ++k)
+    store_from_float(bytes.data(), dtype, k, value_at(seed, param, rank, k));
+  return bytes;
+}
+
+// A random bucket: 0-d, 1-d, d0 = 1, d0 < W, d0 not a multiple of W, wide rows; bf16/fp16/fp32
+// params with fp32 or same-type masters.
+inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, int max_params = 6,
+                                           int64_t max_numel = 1 << 16) {
+  std::uniform_int_distribution<int> n_params(1, max_params);
+  std::vector<ParamSpec> specs(n_params(rng));
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    ParamSpec& s = specs[i];
+    s.name = "p" + std::to_string(i);
+    const int ndim = std::uniform_int_distribution<int>(0, 3)(rng);
+    int64_t d0 = 1;
+    switch (std::uniform_int_distribution<int>(0, 4)(rng)) {
+      case 0: d0 = 1; break;
+      case 1: d0 = std::uniform_int_distribution<int64_t>(1, std::max(1, world - 1))(rng); break;
+      case 2: d0 = world * std::uniform_int_distribution<int64_t>(1, 64)(rng); break;
+      default: d0 = std::uniform_int_distribution<int64_t>(1, 3 * world + 300)(rng);
+    }
+    int64_t numel = 1;
+    if (ndim > 0) s.shape.push_back(d0), numel = d0;
+    for (int k = 1; k < ndim; ++k) {
+      const bool wide = std::uniform_int_distribution<int>(0, 3)(rng) == 0;
+      int64_t d = wide ? std::uniform_int_distribution<int64_t>(256, 4096)(rng)
+                       : std::uniform_int_distribution<int64_t>(1, 40)(rng);
+      d = std::max<int64_t>(1, std::min<int64_t>(d, max_numel / numel));
+      s.shape.push_back(d);
+      numel *= d;
+    }
+    const DType dtypes[] = {DType::kBF16, DType::kBF16, DType::kFP16, DType::kFP32};
+    s.dtype = dtypes[std::uniform_int_distribution<int>(0, 3)(rng)];
+    s.shard_dtype = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? s.dtype : DType::kFP32;
+  }
+  return specs;
+}
+
+// ---- Scenarios. ------------------------------------------------------------------------------
+
+struct Invocation {
+  Collective collective;
+  ReduceOptions options;  // reduce-scatter only
+  uint32_t bucket;
+  uint64_t seed;          // of its inputs (and of the outputs' prior values when accumulating)
+};
+
+struct Scenario {
+  std::vector<ParamSpec> specs;
+  int world;
+  std::vector<Invocation> sequence;  // run in order on one window, `repeats` times
+  int repeats = 2;
+};
+
+// Per rank, the inputs of one invocation (AG: valid shard rows in shard_dtype; RS: the full
+// gradient in dtype) and the outputs' prior contents (RS).
+struct RankData {
+  std::vector<std::vector<std::byte>> inputs;
+  std::vector<std::vector<std::byte>> outputs;
+};
+
+inline RankData make_rank_data(const BucketLayout& layout, const Invocation& inv, int rank) {
+  RankData d;
+  for (std::size_t i = 0; i < layout.num_params(); ++i) {
+    const ParamLayout& p = layout.param(i);
+    if (inv.collective == Collective::kAllGather) {
+      d.inputs.push_back(make_values(p.shard_dtype, p.valid_numel(rank), inv.seed, int(i), rank));
+    } else {
+      d.inputs.push_back(make_values(p.dtype, p.numel(), inv.seed, int(i), rank));
+      d.outputs.push_back(
+          make_values(p.shard_dtype, p.valid_numel(rank), inv.seed ^ 0xACCu, int(i), rank));
+    }
+  }
+  return d;
+}
+
+inline Program plan(const BucketLayout& layout, const Invocation& inv, int rank) {
+  return inv.collective == Collective::kAllGather
+             ? plan_all_gather(layout, rank, inv.bucket)
+             : plan_reduce_scatter(layout, rank, inv.options, inv.bucket);
+}
+
+// What is compared after an invocation: AG, the window's param regions (all W slots of each
+// param, padding included); RS, the outputs.
+inline std::vector<std::byte> capture_window(const BucketLayout& layout, const std::byte* window) {
+  std::vector<std::byte> out;
+  for (const ParamLayout& p : layout.params())
+    out.insert(out.end(), window + p.window_offset,
+               window + p.window_offset + layout.world() * p.slot_bytes());
+  return out;
+}
+
+inline std::vector<std::byte> capture_outputs(const BucketLayout& layout, const RankData& d,
+                                              int rank) {
+  std::vector<std::byte> out;
+  for (std::size_t i = 0; i < layout.num_params(); ++i) {
+    const ParamLayout& p = layout.param(i);
+    out.insert(out.end(), d.outputs[i].begin(),
+               d.outputs[i].begin() + p.valid_numel(rank) * dtype_size(p.shard_dtype));
+  }
+  return out;
+}
+
+// The reference: captures[rank][invocation] from the host executor, ranks as threads.
+inline std::vector<std::vector<std::vector<std::byte>>> host_reference(const Scenario& s) {
+  const BucketLayout layout(s.specs, Topology::single_node(s.world));
+  std::vector<std::vector<std::vector<std::byte>>> captures(s.world);
+  const auto reports = run_rank_threads(s.world, [&](int rank, Bootstrap& bootstrap) {
+    auto window = HostWindow::create(bootstrap, layout.window_bytes());
+    HostExecutor executor(*window, std::chrono::milliseconds(60000));
+    for (const Invocation& inv : s.sequence) {
+      RankData d = make_rank_data(layout, inv, rank);
+      Bindings b;
+      for (auto& in : d.inputs) b.inputs.push_back(in.data());
+      for (auto& out : d.outputs) b.outputs.push_back(out.data());
+      executor.run(plan(layout, inv, rank), b);
+      captures[rank].push_back(inv.collective == Collective::kAllGather
+                                   ? capture_window(layout, window->data(rank))
+                                   : capture_outputs(layout, d, rank));
+    }
+  });
+  for (int r = 0; r < s.world; ++r)
+    if (reports[r] != "ok") throw std::runtime_error("host reference rank " + std::to_string(r) +
+                                                     ": " + reports[r]);
+  return captures;
+}
+
+// fp64 reference of one rank's reduce-scatter outputs (prior values included when accumulating).
+inline std::vector<std::vector<double>> fp64_reduce_scatter(const BucketLayout& layout,
+                                                            const Invocation& inv, int rank) {
+  const int world = layout.world();
+  const RankData mine = make_rank_data(layout, inv, rank);
+  std::vector<RankData> all;
+  for (int r = 0; r < world; ++r) all.push_back(make_rank_data(layout, inv, r));
+  const ReduceOptions& o = inv.options;
+  const double scale = o.kind == ReduceKind::kAvg ? double(o.postscale) / world : o.postscale;
+  std::vector<std::vector<double>> out;
+  for (std::size_t i = 0; i < layout.num_params(); ++i) {
+    const ParamLayout& p = layout.param(i);
+    std::vector<double> ref(p.valid_numel(rank), 0.0);
+    for (int64_t k = 0; k < p.valid_numel(rank); ++k) {
+      double sum = 0;
+      for (int r = 0; r < world; ++r)
+        sum += double(o.prescale) *
+               load_as_float(all[r].inputs[i].data(), p.dtype, rank * p.shard_numel + k);
+      ref[k] = sum * scale;
+      if (o.accumulate) ref[k] += load_as_float(mine.outputs[i].data(), p.shard_dtype, k);
+    }
+    out.push_back(std::move(ref));
+  }
+  return out;
+}
+
+// Relative tolerance of a reduce-scatter result stored in `dtype`, against fp64.
+inline double rs_tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFP32: return 1e-6;
+    case DType::kFP16: return 2e-3;
+    case DType::kBF16: return 1e-2;
+  }
+  return 0;
+}
+
+inline double relative_error(const std::vector<double>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (std::size_t k = 0; k < ref.size(); ++k)
+    num += (got[k] - ref[k]) * (got[k] - ref[k]), den += ref[k] * ref[k];
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+// The first differing byte of two captures, by param, for a readable failure.
+inline std::string first_difference(const BucketLayout& layout, const Invocation& inv, int rank,
+                                    const std::vector<std::byte>& got,
+                                    const std::vector<std::byte>& want) {
+  if (got.size() != want.size())
+    return "capture size " + std::to_string(got.size()) + " B, expected " +
+           std::to_string(want.size()) + " B";
+  std::size_t base = 0;
+  for (std::size_t i = 0; i < layout.num_params(); ++i) {
+    const ParamLayout& p = layout.param(i);
+    const std::size_t bytes = inv.collective == Collective::kAllGather
+                                  ? layout.world() * p.slot_bytes()
+                                  : p.valid_numel(rank) * dtype_size(p.shard_dtype);
+    for (std::size_t b = 0; b < bytes; ++b)
+      if (got[base + b] != want[base + b]) {
+        std::ostringstream os;
+        os << "param " << i << " (" << p.name << ", " << dtype_name(p.dtype) << "/"
+           << dtype_name(p.shard_dtype) << ") byte " << b << ": got 0x" << std::hex
+           << int(got[base + b]) << ", expected 0x" << int(want[base + b]);
+        return os.str();
+      }
+    base += bytes;
+  }
+  return "none";
+}
+
+}  // namespace tide::gpu_test

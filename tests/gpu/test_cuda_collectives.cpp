@@ -1,0 +1,355 @@
+// The CUDA executor against the host executor (bitwise) and fp64 (reduce-scatter), with ranks as
+// processes on one GPU (one per GPU where several exist) and as threads of one process; killed
+// and mismatched ranks; bad bindings. Without a GPU every test skips, saying so.
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include "gpu_harness.hpp"
+
+namespace tide {
+namespace {
+
+using namespace gpu_test;
+using namespace std::chrono_literals;
+
+#define CHECK_CUDA(call)                                                                      \
+  do {                                                                                        \
+    const cudaError_t status_ = (call);                                                       \
+    if (status_ != cudaSuccess)                                                               \
+      throw std::runtime_error(std::string(#call) + " failed: " + cudaGetErrorString(status_)); \
+  } while (0)
+
+void select_device(int rank) {
+  int count = 0;
+  CHECK_CUDA(cudaGetDeviceCount(&count));
+  CHECK_CUDA(cudaSetDevice(rank % count));
+}
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 16))); }
+  ~DeviceBuffer() { (void)cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr) { o.ptr = nullptr; }
+};
+
+std::string capture_name(const std::string& dir, int rank, int rep, std::size_t j) {
+  return dir + "/cap." + std::to_string(rank) + "." + std::to_string(rep) + "." + std::to_string(j);
+}
+
+// Rank `rank` of scenario `s` on the GPU; each invocation's capture goes to a file.
+void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, const std::string& dir) {
+  select_device(rank);
+  const BucketLayout layout(s.specs, Topology::single_node(s.world));
+  auto window = CudaWindow::create(bootstrap, layout.window_bytes());
+  cudaStream_t stream = nullptr;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  {
+    CudaExecutor executor(*window, stream, 60000ms);
+    for (int rep = 0; rep < s.repeats; ++rep) {
+      for (std::size_t j = 0; j < s.sequence.size(); ++j) {
+        const Invocation& inv = s.sequence[j];
+        RankData d = make_rank_data(layout, inv, rank);
+        std::vector<DeviceBuffer> inputs, outputs;
+        Bindings bindings;
+        // Poison: every byte compared must be written by this run (0x5A.. are finite non-zero
+        // values in every dtype).
+        CHECK_CUDA(cudaMemsetAsync(window->data(rank), 0x5A + rep, layout.window_bytes(), stream));
+        for (auto& in : d.inputs) {
+          inputs.emplace_back(in.size());
+          CHECK_CUDA(cudaMemcpyAsync(inputs.back().ptr, in.data(), in.size(), cudaMemcpyHostToDevice,
+                                     stream));
+          bindings.inputs.push_back(inputs.back().ptr);
+        }
+        for (auto& out : d.outputs) {
+          outputs.emplace_back(out.size());
+          if (inv.options.accumulate)
+            CHECK_CUDA(cudaMemcpyAsync(outputs.back().ptr, out.data(), out.size(),
+                                       cudaMemcpyHostToDevice, stream));
+          else
+            CHECK_CUDA(cudaMemsetAsync(outputs.back().ptr, 0x77, out.size(), stream));
+          bindings.outputs.push_back(outputs.back().ptr);
+        }
+        executor.run(plan(layout, inv, rank), bindings);
+        std::vector<std::byte> capture;
+        if (inv.collective == Collective::kAllGather) {
+          std::vector<std::byte> window_bytes(layout.window_bytes());
+          CHECK_CUDA(cudaMemcpyAsync(window_bytes.data(), window->data(rank), window_bytes.size(),
+                                     cudaMemcpyDeviceToHost, stream));
+          executor.synchronize();
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          capture = capture_window(layout, window_bytes.data());
+        } else {
+          for (std::size_t i = 0; i < d.outputs.size(); ++i)
+            CHECK_CUDA(cudaMemcpyAsync(d.outputs[i].data(), outputs[i].ptr, d.outputs[i].size(),
+                                       cudaMemcpyDeviceToHost, stream));
+          executor.synchronize();
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          capture = capture_outputs(layout, d, rank);
+        }
+        write_file(capture_name(dir, rank, rep, j), capture.data(), capture.size());
+      }
+    }
+  }
+  bootstrap.barrier();  // nobody frees its window while a peer may still write into it
+  window.reset();
+  CHECK_CUDA(cudaStreamDestroy(stream));
+}
+
+// Compares every rank's GPU captures with the host executor's, and reduce-scatters with fp64.
+void check_scenario(const Scenario& s, const std::string& dir) {
+  const BucketLayout layout(s.specs, Topology::single_node(s.world));
+  const auto reference = host_reference(s);
+  for (int r = 0; r < s.world; ++r)
+    for (std::size_t j = 0; j < s.sequence.size(); ++j) {
+      const Invocation& inv = s.sequence[j];
+      for (int rep = 0; rep < s.repeats; ++rep) {
+        std::string got;
+        ASSERT_TRUE(read_file(capture_name(dir, r, rep, j), got))
+            << "rank " << r << " wrote no capture of invocation " << j << " repeat " << rep;
+        std::vector<std::byte> bytes(got.size());
+        std::memcpy(bytes.data(), got.data(), got.size());
+        EXPECT_TRUE(bytes == reference[r][j])
+            << "W=" << s.world << " rank " << r << " invocation " << j << " ("
+            << collective_name(inv.collective) << ") repeat " << rep
+            << " differs from the host executor: "
+            << first_difference(layout, inv, r, bytes, reference[r][j]) << "\n"
+            << layout.describe();
+      }
+      if (inv.collective == Collective::kReduceScatter) {
+        const auto ref = fp64_reduce_scatter(layout, inv, r);
+        std::size_t offset = 0;
+        for (std::size_t i = 0; i < layout.num_params(); ++i) {
+          const ParamLayout& p = layout.param(i);
+          std::vector<double> got(p.valid_numel(r));
+          for (int64_t k = 0; k < p.valid_numel(r); ++k)
+            got[k] = load_as_float(reference[r][j].data() + offset, p.shard_dtype, k);
+          offset += p.valid_numel(r) * dtype_size(p.shard_dtype);
+          EXPECT_LE(relative_error(got, ref[i]), rs_tolerance(p.shard_dtype))
+              << "W=" << s.world << " rank " << r << " param " << i << " (" << p.name << ", "
+              << dtype_name(p.dtype) << " -> " << dtype_name(p.shard_dtype) << ")";
+        }
+      }
+    }
+}
+
+void run_and_check(const Scenario& s) {
+  TempDir dir;
+  const auto reports = run_rank_processes(dir.path(), s.world, [&](int rank, Bootstrap& b) {
+    run_scenario_on_gpu(s, rank, b, dir.path());
+  });
+  for (int r = 0; r < s.world; ++r) ASSERT_EQ(reports[r], "ok") << "rank " << r;
+  check_scenario(s, dir.path());
+}
+
+ReduceOptions options(ReduceKind kind, float prescale, float postscale, bool accumulate) {
+  ReduceOptions o;
+  o.kind = kind, o.prescale = prescale, o.postscale = postscale, o.accumulate = accumulate;
+  return o;
+}
+
+TEST(CudaDevice, ProbeLeavesThisProcessFreeOfCuda) {
+  const bool available = cuda_device_available();
+  EXPECT_EQ(cuda_device_available(), available) << "the answer is cached";
+  // The parent must still be able to fork() ranks that use CUDA: the driver was never loaded.
+  void* driver = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  EXPECT_EQ(driver, nullptr) << "cuda_device_available() loaded libcuda into the test process";
+  if (driver) ::dlclose(driver);
+  if (!available) GTEST_SKIP() << "no usable CUDA device: only the probe was checked";
+}
+
+TEST(CudaCollectives, AllGatherMatchesHostExecutorBitwise) {
+  TIDE_REQUIRE_GPU();
+  for (int world : {2, 3, 4, 8}) {
+    std::mt19937_64 rng(1000 + world);
+    Scenario s{random_specs(rng, world), world,
+               {{Collective::kAllGather, {}, 3, 11}, {Collective::kAllGather, {}, 4, 12}}, 2};
+    SCOPED_TRACE("W=" + std::to_string(world));
+    run_and_check(s);
+  }
+}
+
+TEST(CudaCollectives, ReduceScatterMatchesHostExecutorAndFp64) {
+  TIDE_REQUIRE_GPU();
+  for (int world : {2, 3, 4, 8}) {
+    std::mt19937_64 rng(2000 + world);
+    Scenario s{random_specs(rng, world),
+               world,
+               {{Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 5, 21},
+                {Collective::kReduceScatter, options(ReduceKind::kSum, 0.5f, 3.0f, false), 5, 22},
+                {Collective::kReduceScatter, options(ReduceKind::kAvg, 0.25f, 1.0f, true), 5, 23},
+                {Collective::kReduceScatter, options(ReduceKind::kSum, 1.0f, 1.0f, true), 6, 24}},
+               2};
+    SCOPED_TRACE("W=" + std::to_string(world));
+    run_and_check(s);
+  }
+}
+
+// AG then RS reuse the same window (RS stages in the slots AG filled), across two buckets.
+TEST(CudaCollectives, AllGatherThenReduceScatterReuseSlots) {
+  TIDE_REQUIRE_GPU();
+  std::mt19937_64 rng(3000);
+  const int world = 4;
+  Scenario s{random_specs(rng, world, 8),
+             world,
+             {{Collective::kAllGather, {}, 1, 31},
+              {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 1, 32},
+              {Collective::kAllGather, {}, 2, 33},
+              {Collective::kReduceScatter, options(ReduceKind::kSum, 0.5f, 2.0f, true), 2, 34}},
+             3};
+  run_and_check(s);
+}
+
+// Large, 16-byte aligned params take the vectorised kernel paths (tails too); an odd-sized param
+// between them misaligns its neighbours' shards and takes the scalar paths.
+TEST(CudaCollectives, LargeBucketVectorAndScalarPaths) {
+  TIDE_REQUIRE_GPU();
+  const int world = 4;
+  std::vector<ParamSpec> specs = {
+      {"w", {1024, 1000}, DType::kBF16, DType::kFP32},
+      {"odd", {37, 3}, DType::kFP16, DType::kFP32},
+      {"b", {65539}, DType::kBF16, DType::kFP32},
+      {"h", {300, 257}, DType::kFP16, DType::kFP16},
+      {"f", {2048, 64}, DType::kFP32, DType::kFP32},
+  };
+  Scenario s{specs,
+             world,
+             {{Collective::kAllGather, {}, 7, 41},
+              {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 7, 42},
+              {Collective::kReduceScatter, options(ReduceKind::kSum, 0.125f, 1.0f, true), 7, 43}},
+             2};
+  run_and_check(s);
+}
+
+// Ranks as threads of one process share a CUDA context (their windows are used directly, not
+// through IPC). Also the case compute-sanitizer checks (scripts/gpu_suite.sh).
+TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
+  TIDE_REQUIRE_GPU();
+  std::mt19937_64 rng(4000);
+  const int world = 4;
+  Scenario s{random_specs(rng, world, 4, 1 << 14),
+             world,
+             {{Collective::kAllGather, {}, 1, 51},
+              {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, true), 1, 52}},
+             2};
+  TempDir dir;
+  const auto reports = run_rank_processes(dir.path(), 1, [&](int, Bootstrap&) {
+    const auto thread_reports = run_rank_threads(world, [&](int rank, Bootstrap& b) {
+      run_scenario_on_gpu(s, rank, b, dir.path());
+    });
+    for (int r = 0; r < world; ++r)
+      if (thread_reports[r] != "ok")
+        throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
+  });
+  ASSERT_EQ(reports[0], "ok");
+  check_scenario(s, dir.path());
+}
+
+// A rank that dies before its collective: the survivors' waits time out and name it.
+TEST(CudaCollectives, KilledRankMakesSurvivorsTimeOut) {
+  TIDE_REQUIRE_GPU();
+  const int world = 3, killed = 2;
+  const auto timeout = 3000ms;
+  const BucketLayout layout({{"w", {64, 64}, DType::kBF16, DType::kFP32}},
+                            Topology::single_node(world));
+  TempDir dir;
+  const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    auto window = CudaWindow::create(b, layout.window_bytes());
+    if (rank == killed) ::_exit(0);  // dies before its collective, window mapped everywhere
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    DeviceBuffer shard(layout.param(0).valid_numel(rank) * 4);
+    const auto start = std::chrono::steady_clock::now();
+    std::string outcome = "no error";
+    {
+      CudaExecutor executor(*window, stream, timeout);
+      try {
+        executor.run(plan_all_gather(layout, rank, 9), Bindings{{shard.ptr}, {}});
+        executor.synchronize();
+      } catch (const TimeoutError& e) {
+        outcome = std::string("TimeoutError: ") + e.what();
+      }
+      // The error is sticky: the next call reports it too, before enqueuing anything.
+      try {
+        executor.synchronize();
+        outcome += " | second synchronize() did not throw";
+      } catch (const TimeoutError&) {
+      }
+    }
+    const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - start);
+    outcome += " | elapsed_ms=" + std::to_string(elapsed.count());
+    throw std::runtime_error(outcome);  // reported as "error: <outcome>"
+  });
+  EXPECT_TRUE(reports[killed].rfind("no result", 0) == 0) << reports[killed];
+  for (int r = 0; r < world; ++r) {
+    if (r == killed) continue;
+    const std::string& m = reports[r];
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + m);
+    EXPECT_NE(m.find("TimeoutError: rank " + std::to_string(r)), std::string::npos);
+    EXPECT_NE(m.find("from rank 2"), std::string::npos);
+    EXPECT_NE(m.find("bucket 9 all_gather"), std::string::npos);
+    EXPECT_NE(m.find("phase slot_free"), std::string::npos);
+    EXPECT_NE(m.find("epoch 1"), std::string::npos);
+    EXPECT_EQ(m.find("did not throw"), std::string::npos);
+    const auto at = m.find("elapsed_ms=");
+    ASSERT_NE(at, std::string::npos);
+    const long elapsed = std::stol(m.substr(at + 11));
+    EXPECT_GE(elapsed, timeout.count() - 100);
+    EXPECT_LT(elapsed, timeout.count() + 5000) << "the error took too long to surface";
+  }
+}
+
+// Ranks that run different buckets at the same epoch: the tag check stops both streams and the
+// watchdog reports DesyncError naming both collectives.
+TEST(CudaCollectives, MismatchedBucketsRaiseDesyncError) {
+  TIDE_REQUIRE_GPU();
+  const int world = 2;
+  const BucketLayout layout({{"w", {32, 16}, DType::kBF16, DType::kFP32}},
+                            Topology::single_node(world));
+  TempDir dir;
+  const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    auto window = CudaWindow::create(b, layout.window_bytes());
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    DeviceBuffer shard(layout.param(0).valid_numel(rank) * 4);
+    {
+      CudaExecutor executor(*window, stream, 2000ms);
+      executor.run(plan_all_gather(layout, rank, rank == 0 ? 1 : 2), Bindings{{shard.ptr}, {}});
+      try {
+        executor.synchronize();
+      } catch (...) {
+        b.barrier();  // both drained before either window goes away
+        throw;
+      }
+    }
+    b.barrier();
+  });
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + reports[r]);
+    EXPECT_EQ(reports[r].rfind("DesyncError: rank " + std::to_string(r), 0), 0u);
+    EXPECT_NE(reports[r].find("bucket 1 all_gather"), std::string::npos);
+    EXPECT_NE(reports[r].find("bucket 2 all_gather"), std::string::npos);
+  }
+}
+
+TEST(CudaCollectives, RejectsBadBindingsBeforeEnqueuing) {
+  TIDE_REQUIRE_GPU();
+  const BucketLayout layout({{"w", {8, 8}, DType::kBF16, DType::kFP32}}, Topology::single_node(1));
+  TempDir dir;
+  const auto reports = run_rank_processes(dir.path(), 1, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    auto window = CudaWindow::create(b, layout.window_bytes());
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CudaExecutor executor(*window, stream, 1000ms);
+    executor.run(plan_all_gather(layout, 0), Bindings{});  // no input bound
+  });
+  EXPECT_EQ(reports[0].rfind("InvalidArgument: Executor::run: inputs.size() = 0", 0), 0u)
+      << reports[0];
+}
+
+}  // namespace
+}  // namespace tide
