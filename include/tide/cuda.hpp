@@ -78,11 +78,14 @@ class CudaExecutor final : public Executor {
     double cast_cta_us = 0;    // CTA-microseconds of cast kernels
     double reduce_cta_us = 0;  // CTA-microseconds of reduce kernels
     int copies = 0;            // copy-engine copies enqueued
+    int batched_copy_calls = 0;  // cudaMemcpyBatchAsync calls
+    int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
     int kernel_launches = 0;
   };
 
   // `stream` is a cudaStream_t of the window's device (not the legacy default stream, which
-  // cudaMemcpyBatchAsync refuses; the executor then falls back to one cudaMemcpyAsync per copy).
+  // cudaMemcpyBatchAsync refuses; the executor then falls back to one cudaMemcpyAsync per copy, as
+  // it does when TIDE_CUDA_BATCH_COPY=0 or the batch API fails once).
   CudaExecutor(CudaWindow& window, void* stream,
                std::chrono::milliseconds timeout = default_timeout());
   // Waits for enqueued work (a stuck wait still ends within the timeout), then stops the watchdog.

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -111,7 +112,10 @@ struct CudaExecutor::Impl {
   std::thread watchdog;
 
   Impl(CudaWindow& w, void* s, std::chrono::milliseconds t)
-      : window(w), stream(static_cast<cudaStream_t>(s)), timeout(t), api(cuda_detail::driver_api()) {}
+      : window(w), stream(static_cast<cudaStream_t>(s)), timeout(t), api(cuda_detail::driver_api()) {
+    const char* batch = std::getenv("TIDE_CUDA_BATCH_COPY");
+    if (batch && std::string(batch) == "0") batch_copies = false;
+  }
 
   // ---- Enqueueing (caller's thread). ----
 
@@ -149,7 +153,10 @@ struct CudaExecutor::Impl {
                                                       dsts.size(), &attributes, &attribute_index,
                                                       1, &fail_index, stream);
 #endif
-      if (status == cudaSuccess) return;
+      if (status == cudaSuccess) {
+        ++stats.batched_copy_calls;
+        return;
+      }
       // Unsupported here (driver, stream kind): fall back for good. A real addressing error
       // shows up again, with its own message, in cudaMemcpyAsync below.
       (void)cudaGetLastError();
@@ -158,6 +165,7 @@ struct CudaExecutor::Impl {
 #endif
     for (std::size_t i = 0; i < dsts.size(); ++i)
       TIDE_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream));
+    stats.single_copy_calls += static_cast<int>(dsts.size());
   }
 
   template <class Launch>
@@ -214,7 +222,10 @@ struct CudaExecutor::Impl {
   void wait_stream(cudaStream_t s) {
     for (int spin = 0;; ++spin) {
       const cudaError_t status = cudaStreamQuery(s);
-      if (status == cudaSuccess) return;
+      if (status == cudaSuccess) {
+        ++stats.batched_copy_calls;
+        return;
+      }
       if (status != cudaErrorNotReady) TIDE_CUDA_CHECK(status);
       if (watchdog_dead.load()) throw_if_failed();
       if (spin < 64)

@@ -1,0 +1,121 @@
+#include "bench_kernels.cuh"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "convert.cuh"
+
+namespace tide::bench {
+namespace {
+
+using cuda_kernels::Element;
+using cuda_kernels::ElementType;
+
+__device__ int64_t valid_numel(const ParamGeometry& g, int rank) {
+  const int64_t rows = min(max(g.dim0 - rank * g.rows_per_rank, int64_t{0}), g.rows_per_rank);
+  return rows * g.row_numel;
+}
+
+template <ElementType D, ElementType S>
+__global__ void check_all_gather_kernel(const void* slots, ParamGeometry g, int world,
+                                        uint64_t base, int param, unsigned long long* mismatches) {
+  using Storage = typename Element<D>::Storage;
+  unsigned long long wrong = 0;
+  const int64_t total = world * g.shard_numel;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int owner = static_cast<int>(e / g.shard_numel);
+    const int64_t k = e % g.shard_numel;
+    Storage expected = Element<D>::from_float(0.0f);
+    if (k < valid_numel(g, owner)) {
+      const float shard = Element<S>::to_float(Element<S>::from_float(
+          cuda_kernels::random_value(input_seed(base, param, owner), k)));
+      expected = Element<D>::from_float(shard);
+    }
+    wrong += static_cast<const Storage*>(slots)[e] != expected;
+  }
+  if (wrong) atomicAdd(mismatches, wrong);
+}
+
+template <ElementType D, ElementType S>
+__global__ void check_reduce_scatter_kernel(const void* output, ParamGeometry g, int world,
+                                            int rank, uint64_t base, int param, float prescale,
+                                            float scale, unsigned long long* mismatches) {
+  using Storage = typename Element<S>::Storage;
+  unsigned long long wrong = 0;
+  const int64_t n = valid_numel(g, rank);
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < n;
+       k += int64_t{gridDim.x} * blockDim.x) {
+    float acc = 0.0f;
+    for (int r = 0; r < world; ++r) {
+      const float grad = Element<D>::to_float(Element<D>::from_float(
+          cuda_kernels::random_value(input_seed(base, param, r), rank * g.shard_numel + k)));
+      acc = __fadd_rn(acc, __fmul_rn(grad, prescale));
+    }
+    const Storage expected = Element<S>::from_float(__fmul_rn(acc, scale));
+    wrong += static_cast<const Storage*>(output)[k] != expected;
+  }
+  if (wrong) atomicAdd(mismatches, wrong);
+}
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(status));
+}
+
+template <template <ElementType, ElementType> class Launcher, class... Args>
+void dispatch(ElementType d, ElementType s, Args&&... args) {
+  auto with_d = [&](auto dc) {
+    constexpr ElementType D = decltype(dc)::value;
+    switch (s) {
+      case cuda_kernels::kBF16: Launcher<D, cuda_kernels::kBF16>::run(args...); break;
+      case cuda_kernels::kFP16: Launcher<D, cuda_kernels::kFP16>::run(args...); break;
+      case cuda_kernels::kFP32: Launcher<D, cuda_kernels::kFP32>::run(args...); break;
+    }
+  };
+  switch (d) {
+    case cuda_kernels::kBF16: with_d(std::integral_constant<ElementType, cuda_kernels::kBF16>{}); break;
+    case cuda_kernels::kFP16: with_d(std::integral_constant<ElementType, cuda_kernels::kFP16>{}); break;
+    case cuda_kernels::kFP32: with_d(std::integral_constant<ElementType, cuda_kernels::kFP32>{}); break;
+  }
+}
+
+int grid_for(int64_t n) { return static_cast<int>(std::clamp<int64_t>((n + 255) / 256, 1, 8192)); }
+
+template <ElementType D, ElementType S>
+struct AllGatherCheck {
+  static void run(const void* slots, const ParamGeometry& g, int world, uint64_t base, int param,
+                  unsigned long long* mismatches, cudaStream_t stream) {
+    check_all_gather_kernel<D, S><<<grid_for(world * g.shard_numel), 256, 0, stream>>>(
+        slots, g, world, base, param, mismatches);
+    check(cudaGetLastError(), "check_all_gather_kernel");
+  }
+};
+
+template <ElementType D, ElementType S>
+struct ReduceScatterCheck {
+  static void run(const void* output, const ParamGeometry& g, int world, int rank, uint64_t base,
+                  int param, float prescale, float scale, unsigned long long* mismatches,
+                  cudaStream_t stream) {
+    check_reduce_scatter_kernel<D, S><<<grid_for(g.shard_numel), 256, 0, stream>>>(
+        output, g, world, rank, base, param, prescale, scale, mismatches);
+    check(cudaGetLastError(), "check_reduce_scatter_kernel");
+  }
+};
+
+}  // namespace
+
+void launch_check_all_gather(const void* slots, const ParamGeometry& g, int world, uint64_t base,
+                             int param, unsigned long long* mismatches, cudaStream_t stream) {
+  dispatch<AllGatherCheck>(g.dtype, g.shard_dtype, slots, g, world, base, param, mismatches, stream);
+}
+
+void launch_check_reduce_scatter(const void* output, const ParamGeometry& g, int world, int rank,
+                                 uint64_t base, int param, float prescale, float scale,
+                                 unsigned long long* mismatches, cudaStream_t stream) {
+  dispatch<ReduceScatterCheck>(g.dtype, g.shard_dtype, output, g, world, rank, base, param,
+                               prescale, scale, mismatches, stream);
+}
+
+}  // namespace tide::bench

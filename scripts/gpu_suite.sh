@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The one script a GPU run calls: build (or take carried binaries), run the GPU tests, check a
+# small case under compute-sanitizer, run the benchmarks. Logs go to $OUT (or ./gpu-out).
+#
+#   scripts/gpu_suite.sh [quick|full|tests|bench|sanitize]   (default: full)
+#
+# Environment:
+#   TIDE_PREBUILT  a folder holding tide_gpu_tests and tide_bench_cuda built elsewhere; used when
+#                  they run here, else the script builds from source (build-gpu/).
+#   OUT            where logs and the test report go.
+# GoogleTest: find_package first; else built from /usr/src/googletest or third_party/googletest.
+set -uo pipefail
+# NVLink multicast must never run on shared machines (it can take a host's GPUs down); TIDE never
+# uses it, and nothing this script starts may either.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+MODE=${1:-full}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/gpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/suite.log"
+: >"$LOG"
+say() { echo "== $*" | tee -a "$LOG"; }
+status=0
+
+say "gpu_suite $MODE  $(date -u +%Y-%m-%dT%H:%M:%SZ)  host $(hostname)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$LOG"
+nvidia-smi 2>&1 | head -12 >>"$LOG"
+(nvcc --version | tail -2; cmake --version | head -1) 2>&1 | tee -a "$LOG"
+ls -d /usr/src/googletest /usr/include/gtest 2>&1 | tee -a "$LOG"
+
+# ---- Binaries. ----
+BIN=""
+if [[ -n "${TIDE_PREBUILT:-}" && -x "$TIDE_PREBUILT/tide_gpu_tests" && -x "$TIDE_PREBUILT/tide_bench_cuda" ]] &&
+   "$TIDE_PREBUILT/tide_gpu_tests" --gtest_list_tests >/dev/null 2>&1; then
+  BIN=$TIDE_PREBUILT
+  say "using carried binaries in $BIN"
+else
+  say "building from source"
+  GTEST_ARGS=()
+  if ! ls /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake \
+       /usr/local/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
+    GTEST_SRC=""
+    for d in /usr/src/googletest "$ROOT/third_party/googletest"; do
+      [[ -f "$d/CMakeLists.txt" ]] && GTEST_SRC=$d && break
+    done
+    if [[ -n "$GTEST_SRC" ]]; then
+      say "building GoogleTest from $GTEST_SRC"
+      cmake -S "$GTEST_SRC" -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DBUILD_GMOCK=OFF -DINSTALL_GTEST=ON -DCMAKE_INSTALL_PREFIX=/tmp/gtest >>"$LOG" 2>&1 &&
+        cmake --build /tmp/gtest-build -j16 >>"$LOG" 2>&1 && cmake --install /tmp/gtest-build >>"$LOG" 2>&1
+      GTEST_ARGS=(-DGTest_ROOT=/tmp/gtest)
+    else
+      say "no GoogleTest found: only the benchmark can be built"
+    fi
+  fi
+  cmake -S "$ROOT" -B "$ROOT/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_PYTHON=OFF \
+    -DTIDE_CUDA=ON "${GTEST_ARGS[@]}" >>"$LOG" 2>&1 || { say "configure failed (see suite.log)"; tail -30 "$LOG"; exit 1; }
+  cmake --build "$ROOT/build-gpu" -j16 --target tide_gpu_tests tide_bench_cuda >>"$LOG" 2>&1 ||
+    { say "build failed"; tail -40 "$LOG"; exit 1; }
+  BIN="$ROOT/build-gpu"
+  cp "$BIN/tests/gpu/tide_gpu_tests" "$BIN/bench/cuda/tide_bench_cuda" "$BIN/" 2>/dev/null
+fi
+
+# cuBLAS for the interference benchmark (loaded at run time).
+if [[ -z "${TIDE_CUBLAS_LIB:-}" ]]; then
+  SITES=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null)
+  CUBLAS=$(find /usr/local/cuda*/ /usr/lib/x86_64-linux-gnu /opt $SITES -name 'libcublas.so.13*' 2>/dev/null | head -1)
+  [[ -n "$CUBLAS" ]] && export TIDE_CUBLAS_LIB=$CUBLAS && say "cuBLAS: $CUBLAS"
+fi
+
+run_tests() {
+  say "tide_gpu_tests"
+  timeout 420 "$BIN/tide_gpu_tests" --gtest_output="xml:$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  local rc=${PIPESTATUS[0]}
+  say "tide_gpu_tests exit $rc"
+  [[ $rc == 0 ]] || status=1
+}
+
+run_sanitizer() {
+  # Ranks as threads of one process (no IPC, which the sanitizer does not follow), the kernels'
+  # vector and scalar paths, AG and RS with accumulate.
+  for tool in memcheck racecheck; do
+    say "compute-sanitizer --tool $tool"
+    timeout 240 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
+      "$BIN/tide_gpu_tests" --gtest_filter='CudaCollectives.RanksAsThreadsOfOneProcess' \
+      >"$OUT/sanitizer_$tool.log" 2>&1
+    local rc=$?
+    tail -6 "$OUT/sanitizer_$tool.log" | tee -a "$LOG"
+    say "compute-sanitizer $tool exit $rc"
+    [[ $rc == 0 ]] || status=1
+  done
+}
+
+run_bench() {
+  say "tide_bench_cuda all $*"
+  timeout 560 "$BIN/tide_bench_cuda" all "$@" 2>&1 | tee "$OUT/bench.log"
+  local rc=${PIPESTATUS[0]}
+  say "tide_bench_cuda exit $rc"
+  [[ $rc == 0 ]] || status=1
+}
+
+case "$MODE" in
+  tests) run_tests ;;
+  sanitize) run_sanitizer ;;
+  bench) run_bench ;;
+  quick) run_tests; run_sanitizer; run_bench --quick ;;
+  full) run_tests; run_sanitizer; run_bench ;;
+  *) echo "usage: $0 [quick|full|tests|bench|sanitize]"; exit 2 ;;
+esac
+say "gpu_suite $MODE done, status $status"
+exit $status
