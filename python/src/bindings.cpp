@@ -187,7 +187,13 @@ NB_MODULE(_tide, m) {
       .def_prop_ro("epoch", &HostWindow::epoch)
       .def("data_ptr", [](const HostWindow& w, int rank) {
         return reinterpret_cast<uintptr_t>(w.data(rank));
-      }, "rank"_a);
+      }, "rank"_a)
+      .def("map_data_into", &HostWindow::map_data_into, "range"_a);
+
+  nb::class_<HostAddressRange>(m, "HostAddressRange")
+      .def(nb::init<std::size_t>(), "bytes"_a)
+      .def_prop_ro("bytes", &HostAddressRange::bytes)
+      .def_prop_ro("ptr", [](const HostAddressRange& r) { return reinterpret_cast<uintptr_t>(r.base()); });
 
   nb::class_<HostExecutor>(m, "HostExecutor")
       .def("__init__", [](HostExecutor* e, HostWindow& w, std::optional<int64_t> timeout_ms) {

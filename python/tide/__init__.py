@@ -12,6 +12,7 @@ from ._tide import (  # noqa: F401
     DesyncError,
     DType,
     FileBootstrap,
+    HostAddressRange,
     HostExecutor,
     HostWindow,
     ParamLayout,

@@ -22,7 +22,11 @@ std::string unique_segment_name(int rank) {
   return detail::concat("/tide.", ::getpid(), ".", counter++, ".", rd() & 0xFFFFFF, ".r", rank);
 }
 
-std::byte* map_segment(const std::string& name, std::size_t bytes, bool create) {
+std::size_t page_size() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+
+// Maps segment `name`; returns the mapping and, when keep_fd, the open descriptor in *fd_out.
+std::byte* map_segment(const std::string& name, std::size_t bytes, bool create,
+                       int* fd_out = nullptr) {
   const int fd = create ? ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
                         : ::shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0)
@@ -36,7 +40,10 @@ std::byte* map_segment(const std::string& name, std::size_t bytes, bool create) 
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
-  ::close(fd);
+  if (fd_out != nullptr && p != MAP_FAILED)
+    *fd_out = fd;
+  else
+    ::close(fd);
   if (p == MAP_FAILED) {
     if (create) ::shm_unlink(name.c_str());
     throw SystemError(detail::concat("HostWindow: mmap(", name, ", ", bytes,
@@ -53,6 +60,30 @@ HostWindow::HostWindow(int rank, std::size_t data_bytes, std::size_t mapped_byte
 HostWindow::~HostWindow() {
   for (std::byte* p : maps_)
     if (p) ::munmap(p, mapped_bytes_);
+  if (own_fd_ >= 0) ::close(own_fd_);
+}
+
+void HostWindow::map_data_into(const HostAddressRange& range) const {
+  const std::size_t bytes = (data_bytes_ + page_size() - 1) / page_size() * page_size();
+  TIDE_CHECK_ARG(range.bytes() >= bytes, "HostWindow::map_data_into", "range.bytes()",
+                 range.bytes(), detail::concat(">= ", bytes, " (the window's data, in pages)"));
+  void* p = ::mmap(range.base(), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, own_fd_, 0);
+  if (p == MAP_FAILED)
+    throw SystemError(detail::concat("HostWindow::map_data_into(", static_cast<void*>(range.base()),
+                                     ", ", bytes, " B): ", std::strerror(errno)));
+}
+
+HostAddressRange::HostAddressRange(std::size_t bytes) {
+  TIDE_CHECK_ARG(bytes > 0, "HostAddressRange", "bytes", bytes, "> 0");
+  bytes_ = (bytes + page_size() - 1) / page_size() * page_size();
+  void* p = ::mmap(nullptr, bytes_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    throw SystemError(detail::concat("HostAddressRange: mmap(", bytes_, " B): ", std::strerror(errno)));
+  base_ = static_cast<std::byte*>(p);
+}
+
+HostAddressRange::~HostAddressRange() {
+  if (base_) ::munmap(base_, bytes_);
 }
 
 std::unique_ptr<HostWindow> HostWindow::create(Bootstrap& bootstrap, std::size_t data_bytes) {
@@ -64,7 +95,7 @@ std::unique_ptr<HostWindow> HostWindow::create(Bootstrap& bootstrap, std::size_t
   window->maps_.assign(world, nullptr);
 
   const std::string mine = unique_segment_name(rank);
-  window->maps_[rank] = map_segment(mine, mapped, /*create=*/true);
+  window->maps_[rank] = map_segment(mine, mapped, /*create=*/true, &window->own_fd_);
   std::vector<std::string> names;
   try {
     names = bootstrap.allgather(detail::concat(data_bytes, " ", mine));

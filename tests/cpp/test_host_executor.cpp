@@ -217,3 +217,30 @@ TEST(HostExecutor, MismatchedCallOrderIsADesyncErrorNamingBothSides) {
 
 }  // namespace
 }  // namespace tide
+
+namespace tide {
+namespace {
+
+// A fixed address range backed in turn by two pooled windows: what lets a bucket's parameters keep
+// one address (and autograd's saved views stay valid) while their memory comes from a pool.
+TEST(HostAddressRange, AliasesWhicheverWindowIsMappedIntoIt) {
+  test::run_threads(1, [&](int, Bootstrap& bootstrap) {
+    auto a = HostWindow::create(bootstrap, 10000);
+    auto b = HostWindow::create(bootstrap, 10000);
+    HostAddressRange range(10000);
+    a->map_data_into(range);
+    std::memset(a->data(0), 1, 10000);
+    EXPECT_EQ(range.base()[9999], std::byte{1});
+    range.base()[5] = std::byte{7};
+    EXPECT_EQ(a->data(0)[5], std::byte{7});
+    b->map_data_into(range);
+    std::memset(b->data(0), 2, 10000);
+    EXPECT_EQ(range.base()[0], std::byte{2});
+    EXPECT_EQ(a->data(0)[0], std::byte{1});  // a untouched
+    HostAddressRange small(100);
+    EXPECT_THROW(a->map_data_into(small), InvalidArgument);
+  });
+}
+
+}  // namespace
+}  // namespace tide

@@ -1,0 +1,527 @@
+"""tide.fsdp: TIDE's zero-copy all-gather and mixed-precision reduce-scatter inside FSDP2.
+
+    model = ...; fully_shard(layer) for each layer; fully_shard(model)
+    tide.fsdp.enable(model)      # after fully_shard, while the model is sharded (not mid-step)
+    ...train as usual...
+    tide.fsdp.disable(model)     # back to stock FSDP2
+
+What changes for a handled FSDP2 param group ("bucket"):
+- all-gather: each rank casts its shard straight into its slot of a window and pushes it to the same
+  slot on every peer; the window *is* the unsharded parameters' storage, so FSDP2's copy-out
+  (``split_with_sizes_copy``) never runs;
+- reduce-scatter: per-parameter gradients are read in place and reduced in fp32 (or the reduce
+  dtype) into the shard, staging in the slots the all-gather vacated; FSDP2's copy-in
+  (``chunk_cat``) and its full-group reduce-dtype buffer never exist. Everything after the
+  reduce-scatter (divide factors, HSDP all-reduce, ``+=`` into ``.grad``, post-accumulate hooks)
+  is stock FSDP2's own code.
+
+Memory: a bucket's unsharded parameters keep one address for the life of the model (a reserved
+address range), and the memory behind it comes from a small pool of windows shared by all buckets
+of a process group, so memory stays that of the buckets unsharded at once (prefetch depth), not of
+the model. Autograd's saved views of parameters stay valid because the address never changes.
+
+Not handled (such buckets fall back to stock FSDP2, with one log line saying why): CUDA devices
+(the CUDA path of this integration is not built yet; the CUDA transport exists in C++), world size
+1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
+tensor-subclass extensions (``fsdp_pre_all_gather``), DTensor parameters (TP/EP), non-dim-0
+placements, dtypes other than fp32/bf16/fp16. A reduce-scatter with an fp16 reduce dtype
+(pre-divide), or whose gradients do not fit the pool's windows, runs stock for that call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import itertools
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as _collectives
+from torch.distributed.fsdp._fully_shard import _fsdp_param as _param_mod
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _group_mod
+
+from . import _tide
+
+log = logging.getLogger("tide.fsdp")
+
+_TORCH_TO_TIDE = {torch.bfloat16: _tide.DType.bf16, torch.float16: _tide.DType.fp16,
+                  torch.float32: _tide.DType.fp32}
+_TIDE_TO_TORCH = {v: k for k, v in _TORCH_TO_TIDE.items()}
+
+
+def _param_name(fp, index: int) -> str:
+    info = getattr(fp, "_module_info", None)
+    return getattr(fp, "_param_fqn", None) or getattr(info, "param_name", None) or f"param{index}"
+
+
+def _dtypes(fp, param_group) -> tuple:
+    """(sharded dtype, unsharded/communication dtype) of a param. FSDPParam sets its own dtype
+    attributes only at lazy init (first forward); enable() may run before that."""
+    orig = fp.sharded_param.dtype
+    return orig, (param_group.mp_policy.param_dtype or orig)
+
+# The stock functions, captured once; TIDE's replacements dispatch to them for unhandled buckets.
+_STOCK = {
+    "foreach_all_gather": _group_mod.foreach_all_gather,
+    "foreach_all_gather_copy_out": _group_mod.foreach_all_gather_copy_out,
+    "foreach_reduce": _group_mod.foreach_reduce,
+    "foreach_reduce_scatter_copy_in": _collectives.foreach_reduce_scatter_copy_in,
+    "free_unsharded_param": _param_mod.FSDPParam.free_unsharded_param,
+}
+_FOREACH_REDUCE_SIGNATURE = inspect.signature(_STOCK["foreach_reduce"])
+_logged: set = set()
+
+
+def _log_once(key, message, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.warning(message, *args)
+
+
+# --- version adapter: where param groups live, how an AllGatherResult is built -----------------
+
+def _param_groups(module: torch.nn.Module) -> list:
+    """Every FSDPParamGroup under `module`, in module order (identical on every rank)."""
+    groups, seen = [], set()
+    for m in module.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        found = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: a list per module
+        if found is None:
+            single = getattr(state, "_fsdp_param_group", None)  # torch 2.11
+            found = [single] if single is not None else []
+        for g in found:
+            if id(g) not in seen:
+                seen.add(id(g))
+                groups.append(g)
+    return groups
+
+
+def _all_gather_result(output: torch.Tensor, fsdp_params, numels: list) -> tuple:
+    fields = dict(all_gather_output=output, all_gather_event=None, all_gather_work=None,
+                  param_all_gather_input_dtypes=[[output.dtype] for _ in fsdp_params],
+                  param_all_gather_input_numels=[[n] for n in numels],
+                  all_gather_input_split_sizes=list(numels))
+    return _collectives.AllGatherResult(**{f: fields[f] for f in _collectives.AllGatherResult._fields})
+
+
+# --- windows: a pool per process group ----------------------------------------------------------
+
+def _store_bootstrap(group: dist.ProcessGroup, prefix: str) -> _tide.CallbackBootstrap:
+    """A bootstrap over the default torch.distributed Store: no extra service, works for gloo and
+    NCCL groups alike."""
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = group.rank(), group.size()
+    rounds = itertools.count()
+
+    def allgather(mine: bytes) -> list:
+        r = next(rounds)
+        store.set(f"{prefix}/{r}/{rank}", mine)
+        return [store.get(f"{prefix}/{r}/{q}") for q in range(world)]
+
+    return _tide.CallbackBootstrap(rank, world, allgather)
+
+
+class _Slot:
+    """One pooled window and the executor that runs programs on it."""
+
+    def __init__(self, window, timeout_ms):
+        self.window = window
+        self.executor = _tide.HostExecutor(window, timeout_ms)
+
+
+class _WindowPool:
+    """Windows of one size shared by every bucket of a process group. Every rank acquires and
+    releases at the same points of FSDP2's schedule, so pool decisions agree across ranks and a new
+    window (a collective) is created by all ranks together."""
+
+    def __init__(self, group, slot_bytes: int, timeout_ms, name: str):
+        self.group, self.slot_bytes, self.timeout_ms = group, slot_bytes, timeout_ms
+        self.bootstrap = _store_bootstrap(group, name)
+        self.free: list[_Slot] = []
+        self.slots: list[_Slot] = []
+        self.pending: list = []  # buckets whose params were freed; released at the next acquire
+
+    def acquire(self) -> _Slot:
+        self.release_pending()
+        if self.free:
+            return self.free.pop()
+        slot = _Slot(_tide.HostWindow.create(self.bootstrap, self.slot_bytes), self.timeout_ms)
+        self.slots.append(slot)
+        return slot
+
+    def release(self, slot: _Slot) -> None:
+        self.free.append(slot)
+
+    def release_pending(self) -> None:
+        for bucket in self.pending:
+            bucket.release_slot()
+        self.pending.clear()
+
+
+# --- buckets --------------------------------------------------------------------------------------
+
+class _Bucket:
+    """One FSDP2 param group handled by TIDE: its layout, plans, fixed address and current slot."""
+
+    def __init__(self, bucket_id: int, param_group, group, fsdp_params, layout):
+        self.id, self.param_group, self.group = bucket_id, param_group, group
+        self.fsdp_params = list(fsdp_params)
+        self.index = {id(p): i for i, p in enumerate(self.fsdp_params)}
+        self.layout = layout
+        self.rank = group.rank()
+        self.ag_program = _tide.plan_all_gather(layout, self.rank, bucket_id)
+        self.rs_programs: dict = {}
+        self.pool: _WindowPool | None = None
+        self.range = None
+        self.param_outputs: list[torch.Tensor] = []
+        self.slot: _Slot | None = None
+        self.vacated = False
+
+    def attach(self, pool: _WindowPool) -> None:
+        self.pool = pool
+        self.range = _tide.HostAddressRange(pool.slot_bytes)
+
+    def _ensure_param_outputs(self) -> None:
+        # One tensor per param over the bucket's fixed address, each with its own storage starting at
+        # the param (FSDP2 views it with as_strided(storage_offset=0)); created once, never resized.
+        if self.param_outputs:
+            return
+        for p, fp in zip(self.layout.params, self.fsdp_params):
+            nbytes = self.layout.world * p.slot_bytes
+            raw = (ctypes.c_uint8 * nbytes).from_address(self.range.ptr + p.window_offset)
+            self.param_outputs.append(torch.frombuffer(raw, dtype=torch.uint8).view(_TIDE_TO_TORCH[p.dtype]))
+
+    def all_gather(self):
+        if self.slot is None:
+            self.slot = self.pool.acquire()
+            self.slot.window.map_data_into(self.range)
+        elif self.vacated:  # freed, then gathered again before anyone else took the slot
+            self.pool.pending.remove(self)
+        self.vacated = False
+        self._ensure_param_outputs()
+        shards = []
+        for p, fp in zip(self.layout.params, self.fsdp_params):
+            data = fp._sharded_param_data
+            if data.dtype != _TIDE_TO_TORCH[p.shard_dtype] or not data.is_contiguous():
+                raise RuntimeError(f"tide.fsdp: bucket {self.id}: sharded data of {p.name} is "
+                                   f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
+                                   f"contiguous {_TIDE_TO_TORCH[p.shard_dtype]}")
+            shards.append(data.data_ptr())
+        self.slot.executor.run(self.ag_program, shards)
+        return _all_gather_result(self.param_outputs[0], self.fsdp_params,
+                                  [p.shard_numel for p in self.layout.params])
+
+    def copy_out(self) -> None:
+        for fp, out in zip(self.fsdp_params, self.param_outputs):
+            if not fp.all_gather_outputs or fp.all_gather_outputs[0] is not out:
+                fp.all_gather_outputs = [out]
+
+    def on_params_freed(self) -> None:
+        if self.slot is not None and not self.vacated:
+            self.vacated = True
+            self.pool.pending.append(self)
+
+    def release_slot(self) -> None:
+        if self.slot is not None:
+            self.pool.release(self.slot)
+        self.slot, self.vacated = None, False
+
+    def take_staging_slot(self) -> _Slot:
+        """The slot the reduce-scatter stages in: the one the all-gather vacated (Slot-Reuse), or
+        a pool slot when this bucket's params are still in use (reshard_after_backward=False)."""
+        if self.slot is not None and self.vacated:
+            self.pool.pending.remove(self)
+            slot, self.slot, self.vacated = self.slot, None, False
+            return slot
+        return self.pool.acquire()
+
+    def rs_program(self, subset: tuple, grad_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                   options_key: tuple):
+        key = (subset, grad_dtype, reduce_dtype, options_key)
+        program = self.rs_programs.get(key)
+        if program is None:
+            specs = [_tide.ParamSpec(self.layout.params[i].name, list(self.layout.params[i].shape),
+                                     _TORCH_TO_TIDE[grad_dtype], _TORCH_TO_TIDE[reduce_dtype])
+                     for i in subset]
+            layout = _tide.BucketLayout(specs, self.layout.topology)
+            kind, prescale = options_key
+            options = _tide.ReduceOptions(kind=kind, prescale=prescale)
+            program = (layout, _tide.plan_reduce_scatter(layout, self.rank, options, self.id))
+            self.rs_programs[key] = program
+        return program
+
+
+class _TideReduceScatterComm:
+    """Stands in for FSDP2's reduce-scatter comm inside stock ``foreach_reduce``: the full-group
+    input buffer it allocates is a one-element stand-in (copy-in is skipped for it), and the
+    "collective" is TIDE-RS from the per-parameter gradients straight into the output shard."""
+
+    def __init__(self, bucket: _Bucket, subset: tuple, divide_factor):
+        self.bucket, self.subset, self.divide_factor = bucket, subset, divide_factor
+        self.input_standin: torch.Tensor | None = None
+        self.grads: list[torch.Tensor] | None = None
+
+    def allocate(self, size, *, dtype, device):
+        if self.input_standin is None:
+            numel = math.prod(size)
+            self.input_standin = torch.empty(1, dtype=dtype, device=device).expand(numel)
+            return self.input_standin
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
+        if input_tensor is not self.input_standin or self.grads is None:
+            raise RuntimeError("tide.fsdp: reduce-scatter called without TIDE's gradient hand-off "
+                               "(FSDP2 internals changed?)")
+        bucket, grads = self.bucket, self.grads
+        if op == dist.ReduceOp.AVG:
+            options_key = (_tide.ReduceKind.avg, 1.0)
+        elif op == dist.ReduceOp.SUM:
+            options_key = (_tide.ReduceKind.sum, 1.0)
+        else:  # PREMUL_SUM(1 / gradient_divide_factor)
+            options_key = (_tide.ReduceKind.sum, 1.0 / float(self.divide_factor))
+        layout, program = bucket.rs_program(self.subset, grads[0].dtype, output_tensor.dtype, options_key)
+        outputs, offset = [], 0
+        base, itemsize = output_tensor.data_ptr(), output_tensor.element_size()
+        for p in layout.params:  # stock's flat output layout: padded shards back to back
+            outputs.append(base + offset * itemsize)
+            offset += p.shard_numel
+        slot = bucket.take_staging_slot()
+        try:
+            slot.executor.run(program, [g.data_ptr() for g in grads], outputs)
+        finally:
+            bucket.pool.release(slot)
+            self.grads = None
+        return None
+
+
+# --- the three replaced functions (installed in _fsdp_param_group's namespace) --------------------
+
+def _bucket_of(fsdp_params):
+    if not fsdp_params:
+        return None
+    bucket = getattr(fsdp_params[0], "_tide_bucket", None)
+    if bucket is None:
+        return None
+    if any(getattr(fp, "_tide_bucket", None) is not bucket for fp in fsdp_params):
+        return None
+    return bucket
+
+
+def _foreach_all_gather(fsdp_params, group, *args, **kwargs):
+    bucket = _bucket_of(fsdp_params)
+    if bucket is None or len(fsdp_params) != len(bucket.fsdp_params):
+        return _STOCK["foreach_all_gather"](fsdp_params, group, *args, **kwargs)
+    with torch.no_grad():
+        return bucket.all_gather()
+
+
+def _foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **kwargs):
+    bucket = _bucket_of(fsdp_params)
+    if bucket is None or all_gather_result.all_gather_output is not (bucket.param_outputs or [None])[0]:
+        return _STOCK["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group, *args, **kwargs)
+    bucket.copy_out()
+    return None
+
+
+def _foreach_reduce(*args, **kwargs):
+    bound = _FOREACH_REDUCE_SIGNATURE.bind(*args, **kwargs)
+    a = bound.arguments
+    fsdp_params, grads = a["fsdp_params"], a["unsharded_grads"]
+    bucket = _bucket_of(fsdp_params)
+    if bucket is None:
+        return _STOCK["foreach_reduce"](*args, **kwargs)
+    reason = _reduce_fallback_reason(bucket, fsdp_params, grads, a)
+    if reason:
+        _log_once(("rs", bucket.id, reason), "tide.fsdp: bucket %d: this reduce-scatter runs stock "
+                  "FSDP2: %s", bucket.id, reason)
+        return _STOCK["foreach_reduce"](*args, **kwargs)
+    subset = tuple(bucket.index[id(fp)] for fp in fsdp_params)
+    comm = _TideReduceScatterComm(bucket, subset, a.get("gradient_divide_factor"))
+    _pending_comms.append(comm)
+    try:
+        a["reduce_scatter_comm"] = comm
+        return _STOCK["foreach_reduce"](*bound.args, **bound.kwargs)
+    finally:
+        _pending_comms.remove(comm)
+
+
+_pending_comms: list = []
+
+
+def _reduce_fallback_reason(bucket, fsdp_params, grads, a) -> str:
+    grad_dtypes = {g.dtype for g in grads}
+    if len(grad_dtypes) != 1:
+        return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"
+    grad_dtype = grads[0].dtype
+    reduce_dtype = a.get("reduce_dtype") or grad_dtype
+    if grad_dtype not in _TORCH_TO_TIDE or reduce_dtype not in (torch.float32, grad_dtype):
+        return f"gradient dtype {grad_dtype} with reduce dtype {reduce_dtype}"
+    if reduce_dtype not in (torch.float32, torch.bfloat16):
+        return f"reduce dtype {reduce_dtype} is pre-divided by stock FSDP2 against overflow"
+    if any(not g.is_contiguous() or tuple(g.shape) != tuple(fp._orig_size)
+           for g, fp in zip(grads, fsdp_params)):
+        return "non-contiguous or reshaped gradients"
+    subset_bytes = sum(math.prod(fp._orig_size) for fp in fsdp_params) * grads[0].element_size()
+    if subset_bytes > bucket.pool.slot_bytes:  # cheap bound before planning
+        layout_bytes = _tide.BucketLayout(
+            [_tide.ParamSpec("g", list(fp._orig_size), _TORCH_TO_TIDE[grad_dtype]) for fp in fsdp_params],
+            bucket.layout.topology).window_bytes
+        if layout_bytes > bucket.pool.slot_bytes:
+            return (f"{grad_dtype} gradients need a {layout_bytes} B window, the pool's are "
+                    f"{bucket.pool.slot_bytes} B")
+    return ""
+
+
+def _foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size):
+    for comm in _pending_comms:
+        if reduce_scatter_input is comm.input_standin:
+            comm.grads = list(unsharded_grads)  # keeps them alive until TIDE-RS has read them
+            return None
+    return _STOCK["foreach_reduce_scatter_copy_in"](unsharded_grads, reduce_scatter_input, world_size)
+
+
+def _free_unsharded_param(self):
+    bucket = getattr(self, "_tide_bucket", None)
+    if bucket is None:
+        return _STOCK["free_unsharded_param"](self)
+    bucket.on_params_freed()
+    return None
+
+
+def _install() -> None:
+    _group_mod.foreach_all_gather = _foreach_all_gather
+    _group_mod.foreach_all_gather_copy_out = _foreach_all_gather_copy_out
+    _group_mod.foreach_reduce = _foreach_reduce
+    _collectives.foreach_reduce_scatter_copy_in = _foreach_reduce_scatter_copy_in
+    _param_mod.FSDPParam.free_unsharded_param = _free_unsharded_param
+
+
+# --- public API -----------------------------------------------------------------------------------
+
+class TideFSDP:
+    """What ``enable`` did: the handled buckets, the fallbacks (with reasons) and the pools."""
+
+    def __init__(self):
+        self.buckets: list[_Bucket] = []
+        self.fallbacks: list[tuple] = []  # (param group fqn, reason)
+        self.pools: list[_WindowPool] = []
+
+    def pool_bytes(self) -> int:
+        """Bytes of window memory this rank holds now (all pools)."""
+        return sum(len(p.slots) * p.slot_bytes for p in self.pools)
+
+    def __repr__(self):
+        return (f"TideFSDP({len(self.buckets)} buckets handled, {len(self.fallbacks)} fallbacks, "
+                f"{sum(len(p.slots) for p in self.pools)} pooled windows)")
+
+
+_enabled: dict = {}  # id(module) -> TideFSDP
+_bucket_ids = itertools.count()
+
+
+def _bucket_fallback_reason(param_group, group) -> str:
+    if group is None or group.size() <= 1:
+        return "world size 1 (nothing to communicate)"
+    if param_group.device.type != "cpu":
+        return (f"device {param_group.device}: the CUDA path of tide.fsdp is not built yet "
+                "(the CUDA transport exists in C++; see README)")
+    if getattr(param_group, "_use_post_forward_mesh", False):
+        return "reshard_after_forward as an int (post-forward resharding to a smaller mesh)"
+    for i, fp in enumerate(param_group.fsdp_params):
+        name = _param_name(fp, i)
+        if fp.offload_to_cpu:
+            return "CPU offload"
+        if getattr(fp, "is_dtensor", False):
+            return f"{name} is a DTensor parameter (TP/EP)"
+        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+            return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
+        if fp.fsdp_placement.dim != 0:
+            return f"{name} is sharded on dim {fp.fsdp_placement.dim}"
+        orig, comm = _dtypes(fp, param_group)
+        if orig not in _TORCH_TO_TIDE or comm not in _TORCH_TO_TIDE:
+            return f"{name} has dtype {orig} (communicated as {comm})"
+        d0 = fp._orig_size[0] if len(fp._orig_size) else 1
+        if fp.padded_sharded_param_size[0] != -(-d0 // group.size()):
+            return f"{name}: padded shard {tuple(fp.padded_sharded_param_size)} is not ceil(d0/W) rows"
+    return ""
+
+
+def enable(module: torch.nn.Module, *, timeout_ms: int | None = None) -> TideFSDP:
+    """Turns TIDE on for every FSDP2 param group under `module` (call after ``fully_shard``, with the
+    model sharded: before the first step or between steps). Returns what was handled."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"tide.fsdp.enable: module is {type(module).__name__}, expected an nn.Module")
+    if id(module) in _enabled:
+        raise ValueError("tide.fsdp.enable: TIDE is already enabled on this module")
+    if timeout_ms is not None and (not isinstance(timeout_ms, int) or timeout_ms <= 0):
+        raise ValueError(f"tide.fsdp.enable: timeout_ms = {timeout_ms!r}, expected a positive int")
+    groups = _param_groups(module)
+    if not groups:
+        raise ValueError("tide.fsdp.enable: no FSDP2 param groups under this module; call "
+                         "fully_shard(...) on it (or its submodules) first")
+    _install()
+    result = TideFSDP()
+    by_pg: dict = {}
+    for pg in groups:
+        fqn = getattr(pg, "_module_fqn", "") or "<root>"
+        if any(getattr(fp, "_tide_bucket", None) is not None for fp in pg.fsdp_params):
+            raise ValueError(f"tide.fsdp.enable: param group {fqn} is already handled by TIDE")
+        for fp in pg.fsdp_params:
+            if fp.sharded_state != _param_mod.ShardedState.SHARDED:
+                raise ValueError(f"tide.fsdp.enable: param group {fqn} is {fp.sharded_state}; "
+                                 "enable TIDE while the model is sharded (outside forward/backward)")
+        group = getattr(pg, "_all_gather_process_group", None) if hasattr(pg, "mesh_info") else None
+        reason = _bucket_fallback_reason(pg, group)
+        if reason:
+            result.fallbacks.append((fqn, reason))
+            log.warning("tide.fsdp: param group %s falls back to stock FSDP2: %s", fqn, reason)
+            continue
+        world = group.size()
+        specs = [_tide.ParamSpec(_param_name(fp, i), list(fp._orig_size),
+                                 _TORCH_TO_TIDE[_dtypes(fp, pg)[1]], _TORCH_TO_TIDE[_dtypes(fp, pg)[0]])
+                 for i, fp in enumerate(pg.fsdp_params)]
+        layout = _tide.BucketLayout(specs, _tide.Topology.single_node(world))
+        bucket = _Bucket(next(_bucket_ids), pg, group, pg.fsdp_params, layout)
+        by_pg.setdefault(group, []).append(bucket)
+        result.buckets.append(bucket)
+    for n, (group, buckets) in enumerate(by_pg.items()):
+        ranks = dist.get_process_group_ranks(group)
+        name = f"tide/pool/{'-'.join(map(str, ranks))}/{buckets[0].id}"
+        pool = _WindowPool(group, max(b.layout.window_bytes for b in buckets), timeout_ms, name)
+        result.pools.append(pool)
+        for b in buckets:
+            b.attach(pool)
+    for b in result.buckets:
+        for fp in b.fsdp_params:
+            # A stock all-gather may have run before: its tensors must not back TIDE's params.
+            fp.all_gather_outputs = []
+            if hasattr(fp, "_unsharded_param"):
+                del fp._unsharded_param
+            fp._tide_bucket = b
+    _enabled[id(module)] = result
+    return result
+
+
+def disable(module: torch.nn.Module) -> None:
+    """Turns TIDE off for `module` (with the model sharded); FSDP2's stock path takes over."""
+    result = _enabled.pop(id(module), None)
+    if result is None:
+        raise ValueError("tide.fsdp.disable: TIDE is not enabled on this module")
+    for b in result.buckets:
+        for fp in b.fsdp_params:
+            if fp.sharded_state != _param_mod.ShardedState.SHARDED:
+                _enabled[id(module)] = result
+                raise ValueError("tide.fsdp.disable: the model is not sharded; call it between steps")
+    for pool in result.pools:
+        pool.release_pending()
+    for b in result.buckets:
+        for fp in b.fsdp_params:
+            del fp._tide_bucket
+            fp.all_gather_outputs = []
+            if hasattr(fp, "_unsharded_param"):
+                del fp._unsharded_param
