@@ -222,10 +222,7 @@ struct CudaExecutor::Impl {
   void wait_stream(cudaStream_t s) {
     for (int spin = 0;; ++spin) {
       const cudaError_t status = cudaStreamQuery(s);
-      if (status == cudaSuccess) {
-        ++stats.batched_copy_calls;
-        return;
-      }
+      if (status == cudaSuccess) return;
       if (status != cudaErrorNotReady) TIDE_CUDA_CHECK(status);
       if (watchdog_dead.load()) throw_if_failed();
       if (spin < 64)
