@@ -1,0 +1,228 @@
+"""A small Llama-style model trained under FSDP2 with TIDE on and off, ranks as spawned processes.
+
+Each scenario trains the same model from the same seed three times: stock FSDP2, TIDE, TIDE again.
+The worker reports, per scenario, the parameter differences, whether the two TIDE runs were bitwise
+identical, the FSDP2 layout-conversion ops that ran (counted with a TorchDispatchMode), the pooled
+windows and the fallbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+DIM, HEADS, KV_HEADS, HIDDEN, VOCAB = 32, 4, 2, 88, 67  # 88 and 67: dim 0 not divisible by 3 or 4
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        hd = DIM // HEADS
+        self.attn_norm, self.mlp_norm = RMSNorm(DIM), RMSNorm(DIM)
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.k = nn.Linear(DIM, KV_HEADS * hd, bias=False)
+        self.v = nn.Linear(DIM, KV_HEADS * hd, bias=False)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+        self.gate = nn.Linear(DIM, HIDDEN, bias=False)
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+        self.mix = nn.Parameter(1 + 0.1 * torch.randn(2, DIM))  # d0 = 2 < W for W = 3, 4
+        self.checkpointed = checkpointed
+
+    def _forward(self, x):
+        b, s, _ = x.shape
+        hd = DIM // HEADS
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, s, HEADS, hd).transpose(1, 2)
+        k = self.k(h).view(b, s, KV_HEADS, hd).transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
+        v = self.v(h).view(b, s, KV_HEADS, hd).transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
+        # A weight used through a view (w.T) as well: autograd saves the view, which must stay valid.
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, DIM)
+        x = x * self.mix[0] + att @ self.o.weight.T
+        h = self.mlp_norm(x)
+        return x * self.mix[1] + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    def forward(self, x):
+        if self.checkpointed:
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, layers=3, tied=False, checkpointed=False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(checkpointed) for _ in range(layers))
+        self.norm = RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)).float()
+
+
+SCENARIOS = {
+    # name: (world sizes it runs at, options)
+    "fp32": ((2, 3, 4), {}),
+    "bf16_params_fp32_reduce": ((2, 3, 4), {"mp": (torch.bfloat16, torch.float32)}),
+    "bf16_params_bf16_reduce": ((2, 3), {"mp": (torch.bfloat16, torch.bfloat16)}),
+    "no_reshard_after_forward": ((2, 3), {"reshard": False}),
+    "reshard_after_forward_int": ((4,), {"reshard": 2}),
+    "explicit_prefetch": ((2, 3), {"prefetch": True}),
+    "activation_checkpointing": ((2, 3), {"checkpointed": True}),
+    "gradient_accumulation": ((2, 3), {"accumulate": 2}),
+    "gradient_accumulation_bf16": ((2,), {"accumulate": 2, "mp": (torch.bfloat16, torch.float32)}),
+    # gloo has no PREMUL_SUM: the stock reference for a divide factor sums and post-divides.
+    "sum_reduction": ((2, 3), {"divide_factor": 1.0, "stock": {"force_sum": True}}),
+    "custom_divide_factor": ((2, 3), {"divide_factor": 5.0, "stock": {"force_sum": True},
+                                      "inexact": "x*(1/5) summed vs (sum x)/5"}),
+    "force_sum_reduction": ((2,), {"force_sum": True}),
+    "tied_embeddings": ((2, 3), {"tied": True}),
+    "hsdp_2x2": ((4,), {"hsdp": True}),
+}
+
+COUNTED_OPS = ("split_with_sizes_copy", "chunk_cat", "all_gather_copy_in")
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {name: 0 for name in COUNTED_OPS}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        for op in COUNTED_OPS:
+            if op in name:
+                self.counts[op] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(opts, world):
+    torch.manual_seed(0)
+    model = TinyLlama(tied=opts.get("tied", False), checkpointed=opts.get("checkpointed", False))
+    kwargs = {}
+    if "mp" in opts:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=opts["mp"][0], reduce_dtype=opts["mp"][1])
+    if "reshard" in opts:
+        kwargs["reshard_after_forward"] = opts["reshard"]
+    if opts.get("hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if opts.get("prefetch"):
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    for module in [*model.blocks, model]:  # these setters are per FSDP module, not recursive
+        if "divide_factor" in opts:
+            module.set_gradient_divide_factor(opts["divide_factor"])
+        if opts.get("force_sum"):
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def train(model, opts, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    micro = opts.get("accumulate", 1)
+    counter = OpCounter()
+    with counter:
+        for _ in range(steps):
+            for m in range(micro):
+                model.set_requires_gradient_sync(m == micro - 1)
+                tokens = torch.randint(0, VOCAB, (2, 8), generator=gen)
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.view(-1, VOCAB), tokens.roll(-1, 1).view(-1))
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    params = [p.to_local().detach().clone() for p in model.parameters()]
+    return params, counter.counts
+
+
+def run_scenario(opts, world):
+    import tide.fsdp
+
+    stock_opts = {**opts, **opts.get("stock", {})}
+    stock, stock_ops = train(build(stock_opts, world), stock_opts)
+    runs = []
+    for _ in range(2):
+        model = build(opts, world)
+        handle = tide.fsdp.enable(model)
+        params, ops = train(model, opts)
+        runs.append((params, ops, handle))
+        tide.fsdp.disable(model)
+    (tide_a, ops_a, handle), (tide_b, _, _) = runs
+    diffs = [(a.float() - s.float()).abs().max().item() if a.numel() else 0.0 for a, s in zip(tide_a, stock)]
+    return {
+        "bitwise_vs_stock": all(torch.equal(a, s) for a, s in zip(tide_a, stock)),
+        "max_abs_diff": max(diffs),
+        "max_param": max(s.abs().max().item() for s in stock if s.numel()),
+        "reproducible": all(torch.equal(a, b) for a, b in zip(tide_a, tide_b)),
+        "stock_ops": stock_ops,
+        "tide_ops": ops_a,
+        "buckets": len(handle.buckets),
+        "fallbacks": [reason for _, reason in handle.fallbacks],
+        "pooled_windows": sum(len(p.slots) for p in handle.pools),
+        "param_groups": len(handle.buckets) + len(handle.fallbacks),
+    }
+
+
+def _worker(rank, world, port, names, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name in names:
+            try:
+                results[name] = run_scenario(SCENARIOS[name][1], world)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int) -> dict:
+    """Runs every scenario that applies to `world`; returns {scenario: [result per rank]}."""
+    names = [n for n, (worlds, _) in SCENARIOS.items() if world in worlds]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world, _free_port(), names, out_dir), nprocs=world,
+                           join=True, start_method="spawn")
+        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    return {n: [per_rank[r][n] for r in range(world)] for n in names}
