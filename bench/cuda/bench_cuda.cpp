@@ -154,8 +154,10 @@ bool fork_ranks(int world, const std::function<void(int, Bootstrap&)>& body,
     if (pid == 0) {
       int code = 0;
       try {
-        FileBootstrap bootstrap(dir, r, world, 300000ms);
-        body(r, bootstrap);
+        // Never destroyed: ~FileBootstrap removes this rank's file of the last round, which a
+        // slower peer may not have read yet.
+        auto* bootstrap = new FileBootstrap(dir, r, world, 300000ms);
+        body(r, *bootstrap);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d failed: %s\n", r, e.what());
         code = 1;
@@ -608,12 +610,14 @@ void interference_child(const Args& args) {
       try {
         BCHECK(cudaSetDevice(0));
         ThreadBootstrap bootstrap(rendezvous, rank, 120000ms);
+        // Memory before the window (whose creation ends in a barrier): cudaMalloc/cudaFree may
+        // wait for the whole device, and another rank's stream may already wait on this one.
+        const ParamLayout& p = layout.param(0);
+        DeviceMemory grad(p.unsharded_bytes()), out(p.valid_numel(rank) * 4);
         auto window = CudaWindow::create(bootstrap, layout.window_bytes());
         cudaStream_t stream = nullptr;
         BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
         BCHECK(cudaEventCreate(&rs_done[rank]));
-        const ParamLayout& p = layout.param(0);
-        DeviceMemory grad(p.unsharded_bytes()), out(p.valid_numel(rank) * 4);
         cuda_kernels::launch_fill_random(grad.ptr, cuda_kernels::kBF16, p.numel(), 50 + rank, stream);
         const Program program = plan_reduce_scatter(layout, rank, ReduceOptions{}, 3);
         const Bindings bindings{{grad.ptr}, {out.ptr}};

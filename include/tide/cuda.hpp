@@ -37,7 +37,9 @@ class CudaWindow {
   static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes);
   // Unmaps the peers and frees this rank's memory. Destroy it only after every rank is done with
   // the window (synchronize the executors, then a bootstrap barrier), or peers write into freed
-  // memory.
+  // memory. cudaMalloc/cudaFree may wait for the whole device: with ranks as threads of one
+  // process, create and destroy windows (and allocate buffers) only while no rank's stream waits
+  // on another's, e.g. before the first collective and after the last barrier.
   ~CudaWindow();
   CudaWindow(const CudaWindow&) = delete;
   CudaWindow& operator=(const CudaWindow&) = delete;

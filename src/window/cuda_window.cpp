@@ -85,10 +85,15 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   TIDE_CUDA_CHECK(cudaMalloc(&base, total));
   window->peers_[rank].base = static_cast<std::byte*>(base);  // owned: freed by the destructor
   // Flags must read zero before any peer can signal into them: zero, and wait, before the
-  // handles are published.
-  TIDE_CUDA_CHECK(cudaMemset(window->peers_[rank].base + window->flag_offset_, 0,
-                             flag_array_bytes(world)));
-  TIDE_CUDA_CHECK(cudaDeviceSynchronize());
+  // handles are published. A private stream, not cudaDeviceSynchronize: other ranks of this
+  // process (threads) may have streams blocked on flags, and a device-wide wait would join them.
+  cudaStream_t zeroing = nullptr;
+  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking));
+  const cudaError_t zeroed = cudaMemsetAsync(window->peers_[rank].base + window->flag_offset_, 0,
+                                             flag_array_bytes(world), zeroing);
+  const cudaError_t synced = zeroed == cudaSuccess ? cudaStreamSynchronize(zeroing) : zeroed;
+  (void)cudaStreamDestroy(zeroing);
+  TIDE_CUDA_CHECK(synced);
   TIDE_CHECK_ARG(reinterpret_cast<uintptr_t>(base) % kDataAlignment == 0, where, "cudaMalloc base",
                  base, detail::concat("aligned to ", kDataAlignment, " B"));
 

@@ -76,7 +76,7 @@ inline bool read_file(const std::string& path, std::string& out) {
 // process never calls CUDA (a fork()ed child of a CUDA process cannot use CUDA).
 inline std::vector<std::string> run_rank_processes(
     const std::string& dir, int world, const std::function<void(int, Bootstrap&)>& body,
-    std::chrono::seconds deadline = std::chrono::seconds(240)) {
+    std::chrono::seconds deadline = std::chrono::seconds(100)) {
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     const pid_t pid = ::fork();
@@ -84,8 +84,11 @@ inline std::vector<std::string> run_rank_processes(
     if (pid == 0) {
       std::string report = "ok";
       try {
-        FileBootstrap bootstrap(dir, r, world, std::chrono::milliseconds(120000));
-        body(r, bootstrap);
+        // Never destroyed: ~FileBootstrap removes this rank's file of the last round, which a
+        // slower peer may not have read yet (it would then wait for it forever). The parent
+        // removes the directory.
+        auto* bootstrap = new FileBootstrap(dir, r, world, std::chrono::milliseconds(60000));
+        body(r, *bootstrap);
       } catch (const TimeoutError& e) {
         report = std::string("TimeoutError: ") + e.what();
       } catch (const DesyncError& e) {

@@ -91,7 +91,9 @@ struct CudaExecutor::Impl {
   std::chrono::milliseconds timeout;
   const cuda_detail::DriverApi& api;
   cudaStream_t side_stream = nullptr;  // non-blocking: the watchdog's flag reads and releases
-  FlagWord* pinned = nullptr;          // 2 * kNumFlagKinds * W FlagWords of pinned host memory
+  // Host staging of the watchdog's flag reads/writes (pageable: cudaMallocHost/cudaFreeHost may
+  // wait for the whole device, which must not happen while ranks of this process wait on each other).
+  std::vector<FlagWord> staging;
   bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
   std::vector<cudaStream_t> streams_used;
 
@@ -252,15 +254,15 @@ struct CudaExecutor::Impl {
   }
 
   FlagWord read_flag(const FlagWord* flag) {
-    TIDE_CUDA_CHECK(cudaMemcpyAsync(pinned, flag, sizeof(FlagWord), cudaMemcpyDeviceToHost,
+    TIDE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), flag, sizeof(FlagWord), cudaMemcpyDeviceToHost,
                                     side_stream));
     TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
-    return pinned[0];
+    return staging[0];
   }
 
   void write_flags(FlagWord* flags, std::size_t count, uint64_t tag) {
-    for (std::size_t i = 0; i < count; ++i) pinned[i] = FlagWord{kReleaseEpoch, tag};
-    TIDE_CUDA_CHECK(cudaMemcpyAsync(flags, pinned, count * sizeof(FlagWord),
+    for (std::size_t i = 0; i < count; ++i) staging[i] = FlagWord{kReleaseEpoch, tag};
+    TIDE_CUDA_CHECK(cudaMemcpyAsync(flags, staging.data(), count * sizeof(FlagWord),
                                     cudaMemcpyHostToDevice, side_stream));
     TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
   }
@@ -347,9 +349,7 @@ CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::millis
   TIDE_CHECK_ARG(device == window.device(), "CudaExecutor", "current device", device,
                  detail::concat(window.device(), " (the window's device)"));
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->side_stream, cudaStreamNonBlocking));
-  void* pinned = nullptr;
-  TIDE_CUDA_CHECK(cudaMallocHost(&pinned, sizeof(FlagWord) * kNumFlagKinds * window.world()));
-  impl_->pinned = static_cast<FlagWord*>(pinned);
+  impl_->staging.resize(static_cast<std::size_t>(kNumFlagKinds) * window.world());
   impl_->streams_used.push_back(impl_->stream);
   impl_->watchdog = std::thread([impl = impl_.get()] { impl->watchdog_loop(); });
 }
@@ -379,7 +379,6 @@ CudaExecutor::~CudaExecutor() {
     (void)cudaEventDestroy(t.end);
   }
   (void)cudaStreamDestroy(d.side_stream);
-  (void)cudaFreeHost(d.pinned);
   (void)cudaGetLastError();
 }
 
