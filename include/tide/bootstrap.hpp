@@ -23,7 +23,8 @@ class Bootstrap {
 };
 
 // Ranks as processes (or threads) sharing a directory: round k's contribution of rank r is the file
-// <dir>/k.r, published atomically by rename. Files of finished rounds are removed.
+// <dir>/k.r, published atomically by rename. Files of rounds everyone has read are removed; the
+// last round's files stay (a slower peer may still read them): remove the directory when done.
 class FileBootstrap final : public Bootstrap {
  public:
   FileBootstrap(std::string dir, int rank, int world, std::chrono::milliseconds timeout);

@@ -25,9 +25,9 @@ FileBootstrap::FileBootstrap(std::string dir, int rank, int world,
                  "'" + dir_ + "'", "an existing directory");
 }
 
-FileBootstrap::~FileBootstrap() {
-  for (long r = std::max(0L, round_ - 2); r < round_; ++r) std::remove(path(r, rank_).c_str());
-}
+// The last round's file stays: a peer may still be reading it when this rank is done (only the
+// next round proves everyone has read it). The directory's owner removes what is left.
+FileBootstrap::~FileBootstrap() = default;
 
 std::string FileBootstrap::path(long round, int rank) const {
   return detail::concat(dir_, "/", round, ".", rank);
