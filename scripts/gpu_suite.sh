@@ -13,6 +13,8 @@ set -uo pipefail
 # NVLink multicast must never run on shared machines (it can take a host's GPUs down); TIDE never
 # uses it, and nothing this script starts may either.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Ranks as threads of one process need a hardware queue per stream (include/tide/cuda.hpp).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 
 MODE=${1:-full}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

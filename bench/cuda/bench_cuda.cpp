@@ -152,6 +152,9 @@ bool fork_ranks(int world, const std::function<void(int, Bootstrap&)>& body,
   for (int r = 0; r < world; ++r) {
     const pid_t pid = ::fork();
     if (pid == 0) {
+      // Before CUDA starts in this child: enough hardware queues that no two ranks' streams share
+      // one (ranks as threads in the interference mode; see CudaExecutor in tide/cuda.hpp).
+      ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
       int code = 0;
       try {
         // Never destroyed: ~FileBootstrap removes this rank's file of the last round, which a

@@ -72,6 +72,12 @@ class CudaWindow {
 // Runs programs on a CUDA stream. run() is asynchronous: it validates, then enqueues and returns.
 // Inputs and outputs in Bindings are device pointers; they must stay valid until synchronize().
 // One thread at a time may call into an executor.
+//
+// Waits block the stream's hardware queue. Streams share queues once a process has more of them
+// than CUDA_DEVICE_MAX_CONNECTIONS (default 8), and a wait in a shared queue also blocks the other
+// stream's work behind it: with several ranks as threads of one process (each executor uses its
+// stream plus a side stream for the watchdog), set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA
+// starts, or a rank's wait can block the very signal it waits for. One rank per process is safe.
 class CudaExecutor final : public Executor {
  public:
   // Per-executor SM usage, for benchmarks: kernel time x CTAs launched, over the runs since the

@@ -132,9 +132,10 @@ void check_scenario(const Scenario& s, const std::string& dir) {
           for (int64_t k = 0; k < p.valid_numel(r); ++k)
             got[k] = load_as_float(reference[r][j].data() + offset, p.shard_dtype, k);
           offset += p.valid_numel(r) * dtype_size(p.shard_dtype);
-          EXPECT_LE(relative_error(got, ref[i]), rs_tolerance(p.shard_dtype))
-              << "W=" << s.world << " rank " << r << " param " << i << " (" << p.name << ", "
-              << dtype_name(p.dtype) << " -> " << dtype_name(p.shard_dtype) << ")";
+          EXPECT_EQ(check_against_fp64(got, ref[i], s.world, p.shard_dtype), "")
+              << "W=" << s.world << " rank " << r << " invocation " << j << " param " << i
+              << " (" << p.name << ", " << dtype_name(p.dtype) << " -> "
+              << dtype_name(p.shard_dtype) << ", " << got.size() << " elements)";
         }
       }
     }
