@@ -17,6 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 
 MODE=${1:-full}
+shift $(( $# > 0 ? 1 : 0 ))  # the rest goes to tide_bench_cuda (e.g. --quick)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}
 mkdir -p "$OUT"
@@ -107,9 +108,9 @@ run_bench() {
 case "$MODE" in
   tests) run_tests ;;
   sanitize) run_sanitizer ;;
-  bench) run_bench ;;
-  quick) run_tests; run_bench --quick; run_sanitizer ;;
-  full) run_tests; run_bench; run_sanitizer ;;
+  bench) run_bench "$@" ;;
+  quick) run_tests; run_bench --quick "$@"; run_sanitizer ;;
+  full) run_tests; run_bench "$@"; run_sanitizer ;;
   *) echo "usage: $0 [quick|full|tests|bench|sanitize]"; exit 2 ;;
 esac
 say "gpu_suite $MODE done, status $status"
