@@ -43,6 +43,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param as _param_mod
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _group_mod
 
 from . import _tide
+from .distributed import store_bootstrap
 
 log = logging.getLogger("tide.fsdp")
 
@@ -111,21 +112,6 @@ def _all_gather_result(output: torch.Tensor, fsdp_params, numels: list) -> tuple
 
 # --- windows: a pool per process group ----------------------------------------------------------
 
-def _store_bootstrap(group: dist.ProcessGroup, prefix: str) -> _tide.CallbackBootstrap:
-    """A bootstrap over the default torch.distributed Store: no extra service, works for gloo and
-    NCCL groups alike."""
-    store = dist.distributed_c10d._get_default_store()
-    rank, world = group.rank(), group.size()
-    rounds = itertools.count()
-
-    def allgather(mine: bytes) -> list:
-        r = next(rounds)
-        store.set(f"{prefix}/{r}/{rank}", mine)
-        return [store.get(f"{prefix}/{r}/{q}") for q in range(world)]
-
-    return _tide.CallbackBootstrap(rank, world, allgather)
-
-
 class _Slot:
     """One pooled window and the executor that runs programs on it."""
 
@@ -141,7 +127,7 @@ class _WindowPool:
 
     def __init__(self, group, slot_bytes: int, timeout_ms, name: str):
         self.group, self.slot_bytes, self.timeout_ms = group, slot_bytes, timeout_ms
-        self.bootstrap = _store_bootstrap(group, name)
+        self.bootstrap = store_bootstrap(group, name)
         self.free: list[_Slot] = []
         self.slots: list[_Slot] = []
         self.pending: list = []  # buckets whose params were freed; released at the next acquire

@@ -1,0 +1,169 @@
+"""tide-bench: what TIDE does on this machine, stock FSDP2 vs TIDE side by side.
+
+  tide-bench fsdp         train the embedded Llama-style model with stock FSDP2 and with TIDE
+  tide-bench collectives  AG / RS size sweep, TIDE vs the stock path (copy-in + collective + copy-out)
+  tide-bench interference a one-wave GEMM alone and beside each reduce-scatter (needs a GPU)
+
+Ranks are spawned processes by default (`--world`); under torchrun the launched ranks are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import report
+from .launch import run_ranks, run_torchrun, under_torchrun
+from .model import PRESETS
+
+MIB = 2**20
+
+
+def _positive(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{name} {text!r}: expected a positive integer") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"--{name} {value}: expected a positive integer")
+        return value
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tide-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--world", type=_positive("world"), default=None,
+                        help="ranks to spawn (default: 4 on CPU, the GPU count on GPUs; ignored under torchrun)")
+    common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    common.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+    f = sub.add_parser("fsdp", parents=[common], help="train with stock FSDP2 and with TIDE")
+    f.add_argument("--model", choices=sorted(PRESETS), default=None,
+                   help="embedded model (default: cpu on CPU, 8b-layers on GPUs)")
+    f.add_argument("--steps", type=_positive("steps"), default=5)
+    f.add_argument("--warmup", type=int, default=1)
+    f.add_argument("--batch", type=_positive("batch"), default=4)
+    f.add_argument("--seq", type=_positive("seq"), default=128)
+    f.add_argument("--mp", choices=("fp32", "bf16"), default=None,
+                   help="fp32 everywhere, or bf16 params + fp32 reduce (default: fp32 on CPU, bf16 on GPUs)")
+    f.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (step-time breakdown, memory) here")
+    f.add_argument("--no-progress", action="store_true")
+
+    c = sub.add_parser("collectives", parents=[common], help="AG/RS size sweep, TIDE vs stock path")
+    c.add_argument("--min-bytes", type=_positive("min-bytes"), default=256 * 1024)
+    c.add_argument("--max-bytes", type=_positive("max-bytes"), default=16 * MIB)
+    c.add_argument("--iters", type=_positive("iters"), default=10)
+
+    sub.add_parser("interference", parents=[common], help="one-wave GEMM beside each reduce-scatter (GPU)")
+    return p
+
+
+def _resolve_device(args, parser) -> str:
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    return args.device
+
+
+def _launch(args, device, fn, *fn_args):
+    if under_torchrun():
+        return run_torchrun(device, fn, *fn_args)
+    return run_ranks(args.world, device, fn, *fn_args)
+
+
+def _fsdp(args, parser, device) -> int:
+    from .fsdp_bench import compare, run_mode
+
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: expected >= 0")
+    model_name = args.model or ("cpu" if device == "cpu" else "8b-layers")
+    cfg = PRESETS[model_name]
+    if args.world is not None and args.world < 2 and not under_torchrun():
+        parser.error(f"--world {args.world}: FSDP needs at least 2 ranks to compare collectives")
+    mp = args.mp or ("fp32" if device == "cpu" else "bf16")
+    opts = {"device": device, "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
+            "seq": args.seq, "progress": not args.no_progress}
+    print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
+          f"mp {mp}, {args.world} ranks", file=sys.stderr)
+    stock = _launch(args, device, run_mode, "stock", cfg.as_dict(), opts)
+    tide_runs = _launch(args, device, run_mode, "tide", cfg.as_dict(), opts)
+    if stock is None:  # a torchrun rank other than 0
+        return 0
+
+    def merged(runs):
+        keys = ("step_ms", "collectives_ms", "peak_memory_mib")
+        out = {k: max(r[k] for r in runs) for k in keys}  # the slowest / largest rank
+        out["layout_copy_mib"] = runs[0]["layout_copy_bytes"] / MIB
+        for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_window_mib"):
+            out[k] = runs[0][k]
+        return out
+
+    summary = {"model": model_name, "config": cfg.as_dict(), "world": len(stock), "device": device,
+               "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
+               "stock": merged(stock), "tide": merged(tide_runs),
+               "max_abs_diff": compare(stock, tide_runs), "torch": torch.__version__}
+    print(report.fsdp_table(summary))
+    if args.json:
+        report.write_json(args.json, summary)
+    if args.plot_dir:
+        for path in report.fsdp_plots(summary, args.plot_dir):
+            print(f"plot: {path}")
+    return 0
+
+
+def _collectives(args, parser, device) -> int:
+    from .collectives_bench import run_sweep
+
+    if device != "cpu":
+        parser.error("collectives: the GPU sweep is the C++ benchmark `tide_bench_cuda` "
+                     "(bench/cuda, built with the repository); this command runs on CPU (--device cpu)")
+    if args.min_bytes > args.max_bytes:
+        parser.error(f"--min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}")
+    sizes, size = [], args.min_bytes
+    while size <= args.max_bytes:
+        sizes.append(size)
+        size *= 4
+    results = _launch(args, device, run_sweep, sizes, args.iters)
+    if results is None:
+        return 0
+    rows = results[0]
+    for other in results[1:]:  # the slowest rank's times
+        for r, o in zip(rows, other):
+            r["stock_ms"], r["tide_ms"] = max(r["stock_ms"], o["stock_ms"]), max(r["tide_ms"], o["tide_ms"])
+            r["check"] = r["check"] and o["check"]
+    print(f"# tide-bench collectives, W = {rows[0]['world'] if rows else '-'}, {device} "
+          f"(host executor and gloo: memory-bound on this host, not a network figure)")
+    print(report.collectives_table(rows))
+    if args.json:
+        report.write_json(args.json, {"device": device, "rows": rows, "torch": torch.__version__})
+    return 0 if all(r["check"] for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    device = _resolve_device(args, parser)
+    if args.world is None:
+        args.world = 4 if device == "cpu" else max(torch.cuda.device_count(), 1)
+    if args.command == "fsdp":
+        return _fsdp(args, parser, device)
+    if args.command == "collectives":
+        return _collectives(args, parser, device)
+    # interference
+    if device != "cuda":
+        parser.error("interference needs a CUDA GPU (a one-wave GEMM beside each reduce-scatter); "
+                     "none is visible here")
+    parser.error("interference: not available from Python yet; on a GPU machine run the C++ "
+                 "benchmark `tide_bench_cuda interference` (bench/cuda); see BENCHMARKS.md")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""tide-bench fsdp: train the embedded model with stock FSDP2 and with TIDE; measure each step."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _group_mod
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .model import LlamaConfig, LlamaModel
+
+# FSDP2's layout-conversion ops: the copies between per-parameter tensors and flat rank-major
+# buffers that TIDE folds into collective addressing.
+LAYOUT_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat")
+TIMED_FUNCTIONS = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+class LayoutCopyCounter(TorchDispatchMode):
+    """Counts the bytes FSDP2's layout-conversion ops read and write, as they run."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if any(op in name for op in LAYOUT_OPS):
+            self.calls += 1
+            # every tensor argument is read or written once (inputs, output buffers)
+            self.bytes += _tensor_bytes(list(args)) + _tensor_bytes(list(kwargs.values()))
+        return func(*args, **kwargs)
+
+
+class CollectiveTimer:
+    """Wall time spent in FSDP2's collective functions (whichever are installed: stock or TIDE's),
+    layout copies included. On a GPU each timed call is synchronised, which serialises FSDP2's
+    overlap: the step time is then measured in a separate, untimed pass."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds, self.saved = device, 0.0, {}
+
+    def __enter__(self):
+        for name in TIMED_FUNCTIONS:
+            fn = getattr(_group_mod, name)
+            self.saved[name] = fn
+
+            def timed(*a, __fn=fn, **k):
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = __fn(*a, **k)
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                self.seconds += time.perf_counter() - t0
+                return out
+
+            setattr(_group_mod, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(_group_mod, name, fn)
+
+
+def _build(cfg: LlamaConfig, device: str, mp: str, world: int):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaModel(cfg)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mp == "bf16" else MixedPrecisionPolicy())
+    mesh = None
+    if device == "cpu":
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
+    return model
+
+
+def _progress(label: str, done: int, total: int) -> None:
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\r  {label:<6} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_mode(rank: int, world: int, mode: str, cfg_dict: dict, opts: dict) -> dict:
+    """One rank's run of one mode ("stock" or "tide")."""
+    device, cfg = opts["device"], LlamaConfig(**cfg_dict)
+    model = _build(cfg, device, opts["mp"], world)
+    handle = None
+    if mode == "tide":
+        import tide.fsdp
+        handle = tide.fsdp.enable(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    total = opts["warmup"] + opts["steps"]
+    step_s, coll_s = [], []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    def one_step():
+        tokens = torch.randint(0, cfg.vocab, (opts["batch"], opts["seq"]), generator=gen).to(device)
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.view(-1, cfg.vocab), tokens.roll(-1, 1).view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    # One counted step (the dispatch mode sees every op, which slows the step: it is not timed).
+    counter = LayoutCopyCounter()
+    with counter:
+        one_step()
+    for step in range(total):
+        with CollectiveTimer(device) as timer:
+            t0 = time.perf_counter()
+            one_step()
+            seconds = time.perf_counter() - t0
+        if device == "cuda":  # the timer synchronised every collective: time a plain step too
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            one_step()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        if step >= opts["warmup"]:
+            coll_s.append(timer.seconds)
+            step_s.append(seconds)
+        if rank == 0 and opts["progress"]:
+            _progress(mode, step + 1, total)
+    dist.barrier()
+    params = [p.to_local().detach().float().cpu().clone() for p in model.parameters()]
+    result = {
+        "mode": mode,
+        "step_ms": statistics.median(step_s) * 1e3,
+        "collectives_ms": statistics.median(coll_s) * 1e3,
+        "layout_copy_bytes": counter.bytes,
+        "peak_memory_mib": (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
+                            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_memory_kind": "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",
+        "tide_buckets": len(handle.buckets) if handle else 0,
+        "tide_fallbacks": [reason for _, reason in handle.fallbacks] if handle else [],
+        "tide_window_mib": handle.pool_bytes() / 2**20 if handle else 0.0,
+        "params": params,
+    }
+    return result
+
+
+def compare(stock: list, tide_runs: list) -> float:
+    """Max |TIDE - stock| over every rank's final parameter shards."""
+    worst = 0.0
+    for s, t in zip(stock, tide_runs):
+        for a, b in zip(s["params"], t["params"]):
+            if a.numel():
+                worst = max(worst, (a - b).abs().max().item())
+    return worst

@@ -1,0 +1,60 @@
+"""Starting ranks: spawned processes by default, or the processes torchrun already started."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _spawned(rank, world, port, device, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend_for(device), rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, device: str, fn, *args) -> list:
+    """Runs fn(rank, world, *args) on `world` fresh processes; returns their results in rank order."""
+    with tempfile.TemporaryDirectory(prefix="tide-bench-") as out_dir:
+        mp.start_processes(_spawned, args=(world, _free_port(), device, fn, args, out_dir),
+                           nprocs=world, join=True, start_method="spawn")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def run_torchrun(device: str, fn, *args) -> list | None:
+    """In a torchrun-started process: runs fn on this rank; rank 0 gets every rank's result."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device))
+    result = fn(rank, world, *args)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    return gathered

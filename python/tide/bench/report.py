@@ -1,0 +1,85 @@
+"""Tables, JSON and PNG plots for tide-bench."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def fsdp_table(summary: dict) -> str:
+    s, t = summary["stock"], summary["tide"]
+    lines = [f"# tide-bench fsdp: {summary['model']}, W = {summary['world']}, {summary['device']}, "
+             f"mp {summary['mp']}, median of {summary['steps']} steps after {summary['warmup']} warm-up",
+             f"{'':<34} {'stock FSDP2':>14} {'TIDE':>14} {'TIDE/stock':>11}"]
+
+    def row(label, key, fmt):
+        a, b = s[key], t[key]
+        ratio = f"{b / a:.3f}" if a else "-"
+        lines.append(f"{label:<34} {fmt.format(a):>14} {fmt.format(b):>14} {ratio:>11}")
+
+    row("step time (ms)", "step_ms", "{:.2f}")
+    row("time in collectives (ms)", "collectives_ms", "{:.2f}")
+    row("layout-conversion copies (MiB)", "layout_copy_mib", "{:.2f}")
+    row(f"peak memory (MiB, {s['peak_memory_kind']})", "peak_memory_mib", "{:.1f}")
+    lines.append(f"{'TIDE window pool (MiB)':<34} {'-':>14} {t['tide_window_mib']:>14.2f}")
+    lines.append(f"TIDE handled {t['tide_buckets']} param groups"
+                 + (f"; fell back for: {sorted(set(t['tide_fallbacks']))}" if t["tide_fallbacks"] else ""))
+    lines.append(f"numerical agreement: max |TIDE - stock| over final parameters = {summary['max_abs_diff']:.3e}")
+    if summary["device"] == "cpu":
+        lines.append("SM time: n/a on CPU (host executor; no GPU used)")
+    return "\n".join(lines)
+
+
+def collectives_table(rows: list) -> str:
+    out = [f"{'coll':<5} {'W':>3} {'bytes':>12} {'stock ms':>10} {'TIDE ms':>10} {'stock algbw':>12} "
+           f"{'TIDE algbw':>11} {'TIDE busbw':>11} {'TIDE/stock':>11} {'check':>6}",
+           f"{'':<5} {'':>3} {'':>12} {'':>10} {'':>10} {'(GB/s)':>12} {'(GB/s)':>11} {'(GB/s)':>11}"]
+    for r in rows:
+        alg_s = r["bytes"] / r["stock_ms"] / 1e6
+        alg_t = r["bytes"] / r["tide_ms"] / 1e6
+        bus_t = alg_t * (r["world"] - 1) / r["world"]  # nccl-tests convention for AG and RS
+        out.append(f"{r['collective']:<5} {r['world']:>3} {r['bytes']:>12} {r['stock_ms']:>10.3f} "
+                   f"{r['tide_ms']:>10.3f} {alg_s:>12.2f} {alg_t:>11.2f} {bus_t:>11.2f} "
+                   f"{r['tide_ms'] / r['stock_ms']:>11.3f} {'ok' if r['check'] else 'WRONG':>6}")
+    return "\n".join(out)
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+
+
+def fsdp_plots(summary: dict, plot_dir: str) -> list:
+    """Step-time breakdown and memory, as PNGs in plot_dir; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(plot_dir, exist_ok=True)
+    modes = ["stock", "tide"]
+    labels = ["stock FSDP2", "TIDE"]
+    coll = [summary[m]["collectives_ms"] for m in modes]
+    rest = [max(summary[m]["step_ms"] - summary[m]["collectives_ms"], 0.0) for m in modes]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.bar(labels, rest, label="compute and other")
+    ax.bar(labels, coll, bottom=rest, label="collectives (incl. layout copies)")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(f"step time, W={summary['world']}, {summary['device']}")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(plot_dir, "fsdp_step_time.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.bar(labels, [summary[m]["peak_memory_mib"] for m in modes])
+    ax.set_ylabel(f"MiB ({summary['stock']['peak_memory_kind']})")
+    ax.set_title("peak memory per rank")
+    fig.tight_layout()
+    paths.append(os.path.join(plot_dir, "fsdp_memory.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
