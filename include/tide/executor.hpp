@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tide/plan.hpp"
@@ -21,6 +22,52 @@ struct Bindings {
 // Every wait's bound. TIDE_TIMEOUT_MS overrides the default (120000 ms).
 std::chrono::milliseconds default_timeout();
 
+// Whether TIDE_DEBUG is set to 1 (unset, empty or 0: off; anything else is InvalidArgument). When
+// on, a host executor whose wait on a peer exceeds half its timeout prints every rank's state to
+// stderr once per wait (see docs/FAILURES.md).
+bool debug_enabled();
+
+// What a rank's host executor is doing, or last did, on one window: decoded from the state the
+// rank publishes in its window segment, so it can be read from any thread or any rank of the group,
+// also after the rank died. For debugging hangs (docs/FAILURES.md).
+struct ExecutorState {
+  enum class Status : uint8_t {
+    kIdle,      // has not run a collective on this window
+    kRunning,   // inside a collective, at `step`
+    kWaiting,   // inside a collective, at `step`, waiting for `wait_kind` from `waiting_on`
+    kDone,      // its last collective completed
+    kTimedOut,  // its last collective threw TimeoutError (at `step`)
+    kDesynced,  // its last collective threw DesyncError (at `step`)
+    kFailed,    // its last collective threw another error (at `step`)
+  };
+  int rank = -1;
+  Status status = Status::kIdle;
+  uint64_t epoch = 0;  // of the current (or last) collective
+  uint32_t bucket = 0;
+  Collective collective = Collective::kAllGather;
+  Phase phase = Phase::kCastIn;
+  int step = 0;        // index into the program's steps (0-based)
+  int num_steps = 0;
+  int waiting_on = -1;  // the peer of the wait at `step`, or -1
+  FlagKind wait_kind = FlagKind::kSlotFree;
+  uint64_t seen_epoch = 0;  // failed in a wait: the last signal it saw there (0: none)
+  uint64_t seen_tag = 0;
+  int cause = -1;           // failed: the rank the failure started at (itself for a desync it
+                            // detected on its own side), or -1
+  std::chrono::milliseconds elapsed{0};  // time since the current step (or final status) began
+  long pid = 0;             // the rank's process
+  bool exited = false;      // its process is known to have exited (checked from the reader)
+  bool consistent = true;   // false: read while being written by a rank that died mid-update
+
+  bool failed() const {
+    return status == Status::kTimedOut || status == Status::kDesynced || status == Status::kFailed;
+  }
+  // One line, e.g. "rank 3 (pid 812): waiting 512 ms for data_ready from rank 0 at step 7/14
+  // (phase data_ready) of bucket 1 all_gather, epoch 3".
+  std::string to_string() const;
+};
+const char* status_name(ExecutorState::Status status);
+
 class Executor {
  public:
   virtual ~Executor() = default;
@@ -31,19 +78,53 @@ class Executor {
 };
 
 // Runs programs on the host: memcpy for copies, a loop for casts and reduces, atomics for flags.
-// A wait that exceeds the timeout throws TimeoutError naming rank, peer, bucket, phase and epoch;
-// a peer whose signal carries another program's tag throws DesyncError naming both.
+// It publishes its state (ExecutorState) in its window segment at every step. A wait on a peer
+// fails, naming rank, peer, bucket, phase, step and epoch, and the peer's published state:
+//   - TimeoutError when it exceeds the timeout, or as soon as the peer's process has exited;
+//   - DesyncError when the peer's signal carries another program's tag or epoch, or belongs to a
+//     collective that failed on the peer (a failed collective withdraws its slot-free signals, so
+//     a rank arriving late never writes into a window that moved on), or the peer has moved past
+//     this epoch without signalling it, or waits on this rank for an epoch it left;
+//   - the peer's kind of error (TimeoutError, DesyncError, Error) as soon as the peer's own
+//     collective has failed, naming the rank the failure started at: a failure reaches every rank
+//     that waits on the failed one, so after any of these errors the group's windows must not be
+//     used again.
+// An executor must not outlive its window.
 class HostExecutor final : public Executor {
  public:
   explicit HostExecutor(HostWindow& window, std::chrono::milliseconds timeout = default_timeout());
+  ~HostExecutor() override;
+  HostExecutor(const HostExecutor&) = delete;
+  HostExecutor& operator=(const HostExecutor&) = delete;
+
   int rank() const override { return window_.rank(); }
   int world() const override { return window_.world(); }
+  std::chrono::milliseconds timeout() const { return timeout_; }
   void run(const Program& program, const Bindings& bindings) override;
 
+  // The state rank `rank` of the window last published (default: this executor's rank).
+  ExecutorState state(int rank = -1) const;
+  // Every rank's published state, one line each ("  rank r ...\n").
+  std::string describe_group() const;
+
+  struct Identity {  // of the process running this executor, for peers' liveness checks
+    uint64_t pid = 0, start_time = 0, pid_ns = 0;
+  };
+
  private:
+  class Publisher;
+  void wait(const Program& program, std::size_t index, const WaitOp& op, uint64_t epoch,
+            Publisher& publisher);
+  void retract_slot_free(uint64_t epoch);
   HostWindow& window_;
   std::chrono::milliseconds timeout_;
+  bool debug_;
+  Identity identity_;
 };
+
+// Every HostExecutor alive in this process, one line each: its rank's current state. Callable from
+// any thread (e.g. a watchdog or a debugger: `call tide::describe_executor_state()`).
+std::string describe_executor_state();
 
 // Checks a program and its bindings against an executor's window before anything runs: rank and
 // world match, the window is large and aligned enough, every input and output a step uses is bound.

@@ -64,8 +64,12 @@ struct ParamLayout {
 class BucketLayout {
  public:
   static constexpr std::size_t kMinAlignment = 256;
+  static constexpr std::size_t kMaxAlignment = std::size_t{1} << 30;
+  // No window (per rank) may exceed this: keeps every offset computation far from overflow.
+  static constexpr std::size_t kMaxWindowBytes = std::size_t{1} << 48;
 
-  // Throws InvalidArgument on an empty bucket, a non-positive dim, a bad topology or alignment.
+  // Throws InvalidArgument on an empty bucket, a non-positive dim, an unknown dtype, a bad topology
+  // or alignment (a power of two in [256 B, 1 GiB]), or a window over kMaxWindowBytes.
   BucketLayout(std::vector<ParamSpec> params, Topology topology,
                std::size_t alignment = kMinAlignment);
 

@@ -100,13 +100,13 @@ struct Step {
 };
 
 struct Program {
-  Collective collective;
-  int rank;
-  int world;
-  uint32_t bucket;  // bucket identity, carried by signals for desync detection
-  int num_params;
-  std::size_t window_bytes;  // the window this program needs, per rank
-  std::size_t alignment;     // the window base alignment it needs
+  Collective collective = Collective::kAllGather;
+  int rank = 0;
+  int world = 0;
+  uint32_t bucket = 0;  // bucket identity, carried by signals for desync detection
+  int num_params = 0;
+  std::size_t window_bytes = 0;  // the window this program needs, per rank
+  std::size_t alignment = 0;     // the window base alignment it needs
   std::vector<Step> steps;
 
   // The 32-bit tag every signal of this program carries: bucket and collective.

@@ -21,6 +21,26 @@ struct alignas(16) FlagWord {
   uint64_t tag;
 };
 
+// What a rank's host executor is doing, published by that rank next to its flags so that peers,
+// error messages and debugging aids can read it, also after the rank died (see docs/FAILURES.md).
+// Written only by the owning rank, as a seqlock (seq is odd while a write is in progress); every
+// field is accessed with std::atomic_ref. Decoded by HostExecutor::state() into ExecutorState.
+struct alignas(64) PublishedState {
+  uint64_t seq;
+  uint64_t epoch;       // of the current (or last) collective
+  uint64_t tag;         // its tag (bucket << 1 | collective)
+  uint64_t where;       // status | phase << 8 | wait kind << 16 | (waited-on peer + 1) << 32
+  uint64_t step;        // step index << 32 | number of steps
+  uint64_t since_ns;    // steady-clock time the current step (or the final status) began
+  uint64_t pid;         // of the owning process; 0 until the first collective
+  uint64_t start_time;  // the process's start time (/proc/<pid>/stat), to tell a reused pid
+  uint64_t pid_ns;      // inode of its pid namespace (0 if unknown): pids compare only within one
+  uint64_t seen_epoch;  // a failed wait: the flag it last saw (epoch, tag)
+  uint64_t seen_tag;
+  uint64_t cause;       // a failed collective: the rank its failure started at, + 1 (0: none)
+  uint64_t reserved[4];
+};
+
 inline std::size_t flag_index(FlagKind kind, int src_rank, int world) {
   return static_cast<std::size_t>(kind) * world + src_rank;
 }
@@ -29,9 +49,9 @@ inline std::size_t flag_array_bytes(int world) {
 }
 
 // A window over POSIX shared memory, for ranks that are processes or threads on one host.
-// Each rank creates its own segment, the names are exchanged over the bootstrap, every rank maps
-// every segment, and after a barrier each segment is unlinked: nothing is left in /dev/shm even if a
-// rank is killed later.
+// Each rank creates its own segment ([data][flags][published state]), the names are exchanged over
+// the bootstrap, every rank maps every segment, and after a barrier each segment is unlinked: nothing
+// is left in /dev/shm even if a rank is killed later.
 class HostWindow {
  public:
   // Collective: every rank of `bootstrap` calls it with the same data_bytes (checked).
@@ -45,6 +65,7 @@ class HostWindow {
   std::size_t data_bytes() const { return data_bytes_; }
   std::byte* data(int rank) const;      // rank's data, as mapped in this process
   FlagWord* flags(int rank) const;      // rank's flag array, as mapped in this process
+  PublishedState* state(int rank) const;  // rank's published executor state, as mapped here
   // Epochs count collectives run on this window; they never reset.
   uint64_t next_epoch() { return ++epoch_; }
   uint64_t epoch() const { return epoch_; }

@@ -42,8 +42,9 @@ BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std:
     : topology_(topology), alignment_(alignment) {
   topology_.validate();
   TIDE_CHECK_ARG(!specs.empty(), "BucketLayout", "params", "an empty list", "at least one param");
-  TIDE_CHECK_ARG(alignment >= kMinAlignment && (alignment & (alignment - 1)) == 0, "BucketLayout",
-                 "alignment", alignment, "a power of two >= 256");
+  TIDE_CHECK_ARG(alignment >= kMinAlignment && alignment <= kMaxAlignment &&
+                     (alignment & (alignment - 1)) == 0,
+                 "BucketLayout", "alignment", alignment, "a power of two >= 256 and <= 2^30");
   const int world = topology_.world();
   std::size_t offset = 0;
   params_.reserve(specs.size());
@@ -60,8 +61,11 @@ BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std:
         row_numel *= spec.shape[k];
       }
     }
-    dtype_size(spec.dtype);  // validates
-    dtype_size(spec.shard_dtype);
+    auto known = [](DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DType::kFP32; };
+    TIDE_CHECK_ARG(known(spec.dtype), where, "dtype", static_cast<int>(spec.dtype),
+                   "bf16, fp16 or fp32");
+    TIDE_CHECK_ARG(known(spec.shard_dtype), where, "shard_dtype", static_cast<int>(spec.shard_dtype),
+                   "bf16, fp16 or fp32");
     ParamLayout p;
     p.name = spec.name;
     p.shape = spec.shape;
@@ -75,7 +79,14 @@ BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std:
     p.shard_numel = p.rows_per_rank * row_numel;
     p.elem_size = dtype_size(spec.dtype);
     p.window_offset = offset;
-    offset = align_up(offset + world * p.slot_bytes(), alignment_);
+    // Each term is < 2^63 (slot < 2^42 B, W <= 2^20), so only the running sum needs a check.
+    const std::size_t param_bytes = static_cast<std::size_t>(world) * p.slot_bytes();
+    TIDE_CHECK_ARG(param_bytes <= kMaxWindowBytes - offset &&
+                       align_up(offset + param_bytes, alignment_) <= kMaxWindowBytes,
+                   where, "window bytes up to this param",
+                   detail::concat(offset, " + ", param_bytes),
+                   detail::concat("<= 2^48 per rank (W = ", world, ")"));
+    offset = align_up(offset + param_bytes, alignment_);
     params_.push_back(std::move(p));
   }
   window_bytes_ = offset;

@@ -1,4 +1,5 @@
 // Builds the per-rank programs of TIDE-AG and TIDE-RS (single node). See plan.hpp and DESIGN.md §2.
+#include <cmath>
 #include <string>
 
 #include "tide/error.hpp"
@@ -82,6 +83,10 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   TIDE_CHECK_ARG(options.kind == ReduceKind::kSum || options.kind == ReduceKind::kAvg,
                  "plan_reduce_scatter", "options.kind", static_cast<int>(options.kind),
                  "kSum or kAvg");
+  TIDE_CHECK_ARG(std::isfinite(options.prescale), "plan_reduce_scatter", "options.prescale",
+                 options.prescale, "a finite number");
+  TIDE_CHECK_ARG(std::isfinite(options.postscale), "plan_reduce_scatter", "options.postscale",
+                 options.postscale, "a finite number");
   const auto& params = layout.params();
   for (const ParamLayout& p : params)
     TIDE_CHECK_ARG(p.shard_dtype == DType::kFP32 || p.shard_dtype == p.dtype,

@@ -1,4 +1,5 @@
-// HostWindow over POSIX shared memory. Segment layout: [data (data_bytes, rounded to 64 B)][flags].
+// HostWindow over POSIX shared memory. Segment layout:
+// [data (data_bytes, rounded to 64 B)][flags (FlagWord[2][W], rounded to 64 B)][PublishedState].
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -15,6 +16,7 @@ namespace tide {
 namespace {
 
 std::size_t data_region_bytes(std::size_t data_bytes) { return (data_bytes + 63) / 64 * 64; }
+std::size_t flag_region_bytes(int world) { return (flag_array_bytes(world) + 63) / 64 * 64; }
 
 std::string unique_segment_name(int rank) {
   static std::atomic<uint64_t> counter{0};
@@ -89,8 +91,10 @@ HostAddressRange::~HostAddressRange() {
 std::unique_ptr<HostWindow> HostWindow::create(Bootstrap& bootstrap, std::size_t data_bytes) {
   const int rank = bootstrap.rank();
   const int world = bootstrap.world();
-  TIDE_CHECK_ARG(data_bytes > 0, "HostWindow::create", "data_bytes", data_bytes, "> 0");
-  const std::size_t mapped = data_region_bytes(data_bytes) + flag_array_bytes(world);
+  TIDE_CHECK_ARG(data_bytes > 0 && data_bytes <= BucketLayout::kMaxWindowBytes, "HostWindow::create",
+                 "data_bytes", data_bytes, "> 0 and <= 2^48");
+  const std::size_t mapped =
+      data_region_bytes(data_bytes) + flag_region_bytes(world) + sizeof(PublishedState);
   std::unique_ptr<HostWindow> window(new HostWindow(rank, data_bytes, mapped));
   window->maps_.assign(world, nullptr);
 
@@ -127,6 +131,11 @@ std::byte* HostWindow::data(int rank) const {
 
 FlagWord* HostWindow::flags(int rank) const {
   return reinterpret_cast<FlagWord*>(data(rank) + data_region_bytes(data_bytes_));
+}
+
+PublishedState* HostWindow::state(int rank) const {
+  return reinterpret_cast<PublishedState*>(data(rank) + data_region_bytes(data_bytes_) +
+                                           flag_region_bytes(world()));
 }
 
 }  // namespace tide

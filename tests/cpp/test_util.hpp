@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <thread>
@@ -109,6 +110,60 @@ inline double relative_error(const std::vector<double>& a, const std::vector<dou
   double num = 0, den = 0;
   for (std::size_t k = 0; k < a.size(); ++k) num += (a[k] - b[k]) * (a[k] - b[k]), den += b[k] * b[k];
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+// One rank's inputs and outputs for one collective of `layout`, filled from value_at(seed), and
+// the bindings over them (stable: the buffers' storage never moves).
+struct RankBuffers {
+  std::vector<Buffer> inputs, outputs;
+  Bindings bindings;
+  RankBuffers(const BucketLayout& layout, Collective c, int rank, uint64_t seed) {
+    for (std::size_t i = 0; i < layout.num_params(); ++i) {
+      const ParamLayout& p = layout.param(i);
+      if (c == Collective::kAllGather) {
+        inputs.push_back(ag_shard(p, int(i), rank, seed));
+      } else {
+        inputs.push_back(rs_grad(p, int(i), rank, seed));
+        outputs.emplace_back(p.shard_dtype, p.valid_numel(rank));
+      }
+    }
+    for (auto& b : inputs) bindings.inputs.push_back(b.data());
+    for (auto& b : outputs) bindings.outputs.push_back(b.data());
+  }
+  RankBuffers(const RankBuffers&) = delete;
+  RankBuffers& operator=(const RankBuffers&) = delete;
+  RankBuffers(RankBuffers&&) = default;
+};
+
+inline Program plan_for(Collective c, const BucketLayout& layout, int rank, uint32_t bucket,
+                        const ReduceOptions& o = {}) {
+  return c == Collective::kAllGather ? plan_all_gather(layout, rank, bucket)
+                                     : plan_reduce_scatter(layout, rank, o, bucket);
+}
+
+// "" if rank's result of collective c (seed, options o) is right: all-gather bitwise in `window`,
+// reduce-scatter outputs within 1e-6 (fp32) / 1e-2 (16-bit outputs) of fp64; else what is wrong.
+inline std::string check_result(const BucketLayout& layout, Collective c, int rank, uint64_t seed,
+                                const std::byte* window, const RankBuffers& buffers,
+                                const ReduceOptions& o = {}) {
+  for (std::size_t i = 0; i < layout.num_params(); ++i) {
+    const ParamLayout& p = layout.param(i);
+    if (c == Collective::kAllGather) {
+      const auto expected = ag_expected(p, int(i), layout.world(), seed);
+      if (std::memcmp(window + p.window_offset, expected.data(), expected.size()) != 0)
+        return "all-gather mismatch on param " + std::to_string(i) + " of rank " +
+               std::to_string(rank);
+    } else {
+      const auto ref = rs_reference(p, int(i), rank, layout.world(), seed, o);
+      std::vector<double> got(ref.size());
+      for (std::size_t k = 0; k < ref.size(); ++k) got[k] = buffers.outputs[i].at(k);
+      const double tol = p.shard_dtype == DType::kFP32 ? 1e-6 : 1e-2;
+      if (relative_error(got, ref) > tol)
+        return "reduce-scatter mismatch on param " + std::to_string(i) + " of rank " +
+               std::to_string(rank);
+    }
+  }
+  return "";
 }
 
 // Runs fn(rank, bootstrap) on `world` threads; rethrows the first exception.
