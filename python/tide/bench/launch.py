@@ -31,6 +31,8 @@ def _spawned(rank, world, port, device, fn, args, out_dir):
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:  # ranks share this host's cores: one share each, not every core per rank
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend_for(device), rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
