@@ -137,9 +137,11 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
                             uint32_t bucket = 0);
 
 // Checks a full set of programs (one per rank, same collective) against the layout: every window
-// byte the collective must deliver is written exactly once, no two writes overlap, every copy stays
-// inside its buffers, every read of a window byte reads something written, every signal is matched
-// by a wait. Throws Error naming the first violation. Used by tests and the fuzzer.
+// byte the collective must deliver is written exactly once, from the right place (a rank's own
+// shard, or chunk q of its gradient for rank q), no two writes overlap, every copy stays inside its
+// buffers, every read of a window byte reads something written, casts and reduces cover exactly
+// each rank's shard with the params' dtypes, every signal is matched by a wait, and the handshakes
+// cannot deadlock. Throws Error naming the first violation. Used by tests and the fuzzer.
 void verify_programs(const BucketLayout& layout, const std::vector<Program>& programs);
 
 }  // namespace tide

@@ -48,6 +48,17 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
   const int num_params = static_cast<int>(params.size());
 
   std::vector<std::vector<Interval>> writes(world);
+  // The param and slot a window offset falls in, or {-1, -1} (alignment padding).
+  std::vector<std::size_t> starts;
+  for (const ParamLayout& p : params) starts.push_back(p.window_offset);
+  auto locate = [&](std::size_t offset) -> std::pair<int, int> {
+    const auto it = std::upper_bound(starts.begin(), starts.end(), offset);
+    if (it == starts.begin()) return {-1, -1};
+    const int i = static_cast<int>(it - starts.begin()) - 1;
+    const std::size_t rel = offset - params[i].window_offset;
+    if (rel >= world * params[i].slot_bytes()) return {-1, -1};
+    return {i, static_cast<int>(rel / params[i].slot_bytes())};
+  };
   // (from, to, kind) -> count of signals / waits
   std::map<std::tuple<int, int, int>, int> signals, waits;
 
@@ -56,6 +67,8 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
     if (program.rank != r || program.world != world || program.collective != collective ||
         program.bucket != programs[0].bucket || program.num_params != num_params)
       fail(program, 0, "rank, world, collective, bucket or param count disagrees with the set");
+    if (program.window_bytes != layout.window_bytes() || program.alignment != layout.alignment())
+      fail(program, 0, "window size or alignment disagrees with the layout");
     auto input_bytes = [&](int i) -> std::size_t {
       const ParamLayout& p = params[i];
       return collective == Collective::kAllGather
@@ -69,10 +82,13 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
     };
     std::set<int> waited_free, waited_data, signalled_data;
     std::vector<Interval> own_writes;
+    std::vector<int> reduces(num_params, 0);
 
     for (std::size_t s = 0; s < program.steps.size(); ++s) {
       auto check_bounds = [&](const Address& a, std::size_t bytes, const char* what) {
         std::size_t limit = 0;
+        if (a.space != Space::kWindow && a.space != Space::kInput && a.space != Space::kOutput)
+          fail(program, s, detail::concat(what, ": bad space ", static_cast<int>(a.space)));
         if (a.space == Space::kWindow) {
           if (a.index < 0 || a.index >= world) fail(program, s, detail::concat(what, ": bad rank"));
           limit = layout.window_bytes();
@@ -91,6 +107,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
         if (dst.index == r) own_writes.push_back({dst.offset, dst.offset + bytes, r});
       };
       const Step& step = program.steps[s];
+      if (static_cast<int>(step.phase) > static_cast<int>(Phase::kReduce)) fail(program, s, "bad phase");
       std::visit(
           [&](const auto& op) {
             using T = std::decay_t<decltype(op)>;
@@ -98,6 +115,17 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
               if (op.dst.space != Space::kWindow || op.dst.index != r)
                 fail(program, s, "cast must write the own window");
               if (op.count < 0 || op.pad < 0) fail(program, s, "negative cast size");
+              if (op.src.space != Space::kInput) fail(program, s, "cast must read an input");
+              if (collective != Collective::kAllGather) fail(program, s, "a reduce-scatter has no casts");
+              const auto [i, slot] = locate(op.dst.offset);
+              if (i < 0 || slot != r || op.dst.offset != params[i].slot_offset(r))
+                fail(program, s, "cast must write the own slot of a param");
+              const ParamLayout& p = params[i];
+              if (op.src != Address{Space::kInput, i, 0} || op.count != p.valid_numel(r) ||
+                  op.pad != p.shard_numel - op.count || op.src_dtype != p.shard_dtype ||
+                  op.dst_dtype != p.dtype)
+                fail(program, s, detail::concat("cast into slot(", i, ", ", r, ") is not param ", i,
+                                                "'s shard (source, count, padding or dtypes)"));
               check_bounds(op.src, op.count * dtype_size(op.src_dtype), "cast source");
               const std::size_t bytes = (op.count + op.pad) * dtype_size(op.dst_dtype);
               check_bounds(op.dst, bytes, "cast destination");
@@ -113,6 +141,22 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
                   fail(program, s, detail::concat("copy to rank ", q, " before its slot-free wait"));
                 if (signalled_data.count(q))
                   fail(program, s, detail::concat("copy to rank ", q, " after its data-ready signal"));
+                if (c.src.space == Space::kOutput) fail(program, s, "copies may not read outputs");
+                // Provenance: rank r writes only slot(i, r) of a peer, from where that slot's bytes
+                // live: its own slot (all-gather) or chunk q of param i's gradient (reduce-scatter).
+                const auto [i, slot] = locate(c.dst.offset);
+                if (i < 0 || slot != r ||
+                    c.dst.offset + c.bytes > params[i].slot_offset(r) + params[i].slot_bytes())
+                  fail(program, s, detail::concat("copy to rank ", q, " does not stay inside slot(i, ",
+                                                  r, ") of one param"));
+                const std::size_t within = c.dst.offset - params[i].slot_offset(r);
+                const Address from =
+                    collective == Collective::kAllGather
+                        ? Address{Space::kWindow, r, c.dst.offset}
+                        : Address{Space::kInput, i, q * params[i].slot_bytes() + within};
+                if (c.src != from)
+                  fail(program, s, detail::concat("copy to slot(", i, ", ", r, ") of rank ", q,
+                                                  " reads the wrong source"));
                 if (c.src.space == Space::kWindow) {
                   if (c.src.index != r) fail(program, s, "copies may read only the own window");
                   const bool written = std::any_of(own_writes.begin(), own_writes.end(), [&](auto& w) {
@@ -124,23 +168,37 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
               }
             } else if constexpr (std::is_same_v<T, SignalOp>) {
               if (op.peer < 0 || op.peer >= world || op.peer == r) fail(program, s, "bad signal peer");
+              if (static_cast<int>(op.kind) >= kNumFlagKinds) fail(program, s, "bad signal kind");
               ++signals[{r, op.peer, static_cast<int>(op.kind)}];
               if (op.kind == FlagKind::kDataReady) signalled_data.insert(op.peer);
             } else if constexpr (std::is_same_v<T, WaitOp>) {
               if (op.peer < 0 || op.peer >= world || op.peer == r) fail(program, s, "bad wait peer");
+              if (static_cast<int>(op.kind) >= kNumFlagKinds) fail(program, s, "bad wait kind");
               ++waits[{op.peer, r, static_cast<int>(op.kind)}];
               (op.kind == FlagKind::kSlotFree ? waited_free : waited_data).insert(op.peer);
             } else {  // ReduceOp
+              if (collective != Collective::kReduceScatter) fail(program, s, "an all-gather has no reduces");
               if (static_cast<int>(op.sources.size()) != world)
                 fail(program, s, "reduce needs one source per rank");
-              const ParamLayout& p = params.at(op.param);
+              if (op.param < 0 || op.param >= num_params)
+                fail(program, s, detail::concat("reduce of bad param ", op.param));
+              const ParamLayout& p = params[op.param];
+              ++reduces[op.param];
+              if (op.dst != Address{Space::kOutput, op.param, 0})
+                fail(program, s, "reduce must write its param's output");
+              if (op.src_dtype != p.dtype || op.dst_dtype != p.shard_dtype)
+                fail(program, s, "reduce dtypes are not the param's");
               const std::size_t bytes = op.count * dtype_size(op.src_dtype);
               if (op.count != p.valid_numel(r)) fail(program, s, "reduce count is not the own shard");
               check_bounds(op.dst, op.count * dtype_size(op.dst_dtype), "reduce destination");
               for (int src = 0; src < world; ++src) {
                 const Address& a = op.sources[src];
                 check_bounds(a, bytes, "reduce source");
-                if (src == r) continue;
+                if (src == r) {
+                  if (a != Address{Space::kInput, op.param, r * p.slot_bytes()})
+                    fail(program, s, "reduce must read the own chunk from its param's gradient");
+                  continue;
+                }
                 if (a.space != Space::kWindow || a.index != r || a.offset != p.slot_offset(src))
                   fail(program, s, detail::concat("reduce source ", src, " is not slot(", op.param,
                                                   ", ", src, ") of the own window"));
@@ -152,6 +210,12 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
           },
           step.op);
     }
+    if (collective == Collective::kReduceScatter)
+      for (int i = 0; i < num_params; ++i)
+        if (reduces[i] != (params[i].valid_numel(r) > 0 ? 1 : 0))
+          fail(program, program.steps.size(),
+               detail::concat(reduces[i], " reduce(s) of param ", i, ", expected ",
+                              params[i].valid_numel(r) > 0 ? "1" : "0 (no rows here)"));
   }
 
   for (const auto& [key, n] : signals)
@@ -164,6 +228,32 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
       throw Error(detail::concat("verify_programs: rank ", std::get<1>(key), " waits on flag ",
                                  std::get<2>(key), " of rank ", std::get<0>(key),
                                  " that nobody signals"));
+
+  // The handshakes complete: run every program's signals and waits in order, each rank as far as
+  // it can, until none can move; a rank left waiting means the set would hang.
+  std::vector<std::size_t> pc(world, 0);
+  std::set<std::tuple<int, int, int>> sent;
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int r = 0; r < world; ++r) {
+      const std::vector<Step>& steps = programs[r].steps;
+      for (; pc[r] < steps.size(); ++pc[r], moved = true) {
+        if (const auto* w = std::get_if<WaitOp>(&steps[pc[r]].op)) {
+          if (!sent.count({w->peer, r, static_cast<int>(w->kind)})) break;
+        } else if (const auto* sig = std::get_if<SignalOp>(&steps[pc[r]].op)) {
+          sent.insert({r, sig->peer, static_cast<int>(sig->kind)});
+        }
+      }
+    }
+  }
+  for (int r = 0; r < world; ++r)
+    if (pc[r] < programs[r].steps.size()) {
+      const auto& w = std::get<WaitOp>(programs[r].steps[pc[r]].op);
+      throw Error(detail::concat("verify_programs: deadlock: ", collective_name(collective), " rank ",
+                                 r, " step ", pc[r], " waits for flag ", static_cast<int>(w.kind),
+                                 " from rank ", w.peer, ", which stops at step ", pc[w.peer], " of ",
+                                 programs[w.peer].steps.size()));
+    }
 
   for (int q = 0; q < world; ++q) {
     std::vector<Interval> sorted = writes[q];

@@ -118,5 +118,20 @@ TEST(ApiErrors, TimeoutEnvironmentVariable) {
   EXPECT_EQ(default_timeout().count(), 120000);
 }
 
+TEST(ApiErrors, DebugEnvironmentVariable) {
+  ::setenv("TIDE_DEBUG", "yes", 1);
+  expect_error([&] { debug_enabled(); }, {"TIDE_DEBUG = 'yes'", "0 or 1"});
+  test::run_threads(1, [&](int, Bootstrap& bootstrap) {
+    auto window = HostWindow::create(bootstrap, 4096);
+    expect_error([&] { HostExecutor executor(*window); }, {"TIDE_DEBUG = 'yes'"});
+  });
+  ::setenv("TIDE_DEBUG", "1", 1);
+  EXPECT_TRUE(debug_enabled());
+  ::setenv("TIDE_DEBUG", "0", 1);
+  EXPECT_FALSE(debug_enabled());
+  ::unsetenv("TIDE_DEBUG");
+  EXPECT_FALSE(debug_enabled());
+}
+
 }  // namespace
 }  // namespace tide

@@ -109,6 +109,28 @@ TEST(PlanVerifier, CatchesMutations) {
       }
     EXPECT_THROW(verify_programs(layout, no_wait), Error) << "missing wait";
   }
+  // Right bytes from the wrong place: a reduce-scatter push of another gradient chunk (in bounds).
+  auto wrong_chunk = mutate_first_batch(Collective::kReduceScatter, [&](CopyBatch& b) {
+    b.copies.front().src.offset = 0;  // chunk 0 instead of the destination rank's chunk
+  });
+  EXPECT_THROW(verify_programs(layout, wrong_chunk), Error) << "wrong source chunk";
+  // A data-ready wait moved before the slot-free signals: every handshake matched, but it hangs.
+  for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
+    auto hang = plan_all(layout, c);
+    auto& steps = hang[0].steps;
+    const auto wait = std::find_if(steps.begin(), steps.end(), [](const Step& s) {
+      const auto* w = std::get_if<WaitOp>(&s.op);
+      return w != nullptr && w->kind == FlagKind::kDataReady;
+    });
+    ASSERT_NE(wait, steps.end());
+    std::rotate(steps.begin(), wait, wait + 1);
+    try {
+      verify_programs(layout, hang);
+      ADD_FAILURE() << "deadlock accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("deadlock"), std::string::npos) << e.what();
+    }
+  }
   auto early_reduce = plan_all(layout, Collective::kReduceScatter);
   std::rotate(early_reduce[0].steps.begin(), early_reduce[0].steps.end() - 1,
               early_reduce[0].steps.end());  // the last reduce moves before the data waits
