@@ -21,11 +21,134 @@ namespace {
 
 bool known_dtype(DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DType::kFP32; }
 
+// CHECK(cond, argument, value, expected): in the fast pass (kExplain false) a failed condition only
+// returns false, and the message's operands are not even compiled; the explaining pass throws the
+// InvalidArgument. One source for both, so they cannot disagree.
+#define CHECK(cond, argument, value, expected)                                       \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      if constexpr (kExplain) TIDE_CHECK_ARG(false, where, argument, value, expected); \
+      return false;                                                                  \
+    }                                                                                \
+  } while (0)
+
+// Every address, count, dtype, peer and flag of every step.
+template <bool kExplain>
+bool check_steps(const Program& program, const Bindings& bindings, int rank, int world,
+                 std::size_t window_bytes) {
+  [[maybe_unused]] const char* where = "Executor::run";
+  // a: the address of `bytes` bytes that step i's operand `what` (or `list`[k].`what` when k >= 0)
+  // reads, or writes if `write`.
+  auto check = [&](std::size_t i, const char* list, long k, const char* what, const Address& a,
+                   std::size_t bytes, bool write) -> bool {
+    [[maybe_unused]] auto name = [&](const char* field) {
+      return k < 0 ? detail::concat("steps[", i, "].", what, field)
+                   : detail::concat("steps[", i, "].", list, "[", k, "]", what, field);
+    };
+    switch (a.space) {
+      case Space::kWindow:
+        CHECK(a.index >= 0 && a.index < world, name(".index"), a.index,
+              detail::concat("a rank in [0, ", world, ")"));
+        CHECK(a.offset <= window_bytes && bytes <= window_bytes - a.offset, name(""),
+              detail::concat("[", a.offset, ", +", bytes, ") of window[", a.index, "]"),
+              detail::concat("inside the window's ", window_bytes, " B"));
+        return true;
+      case Space::kInput:
+      case Space::kOutput: {
+        const bool input = a.space == Space::kInput;
+        CHECK(!(write && input), name(".space"), "input",
+              "a window or an output (inputs are read-only)");
+        const std::size_t n = input ? bindings.inputs.size() : bindings.outputs.size();
+        CHECK(a.index >= 0 && static_cast<std::size_t>(a.index) < n, name(".index"), a.index,
+              detail::concat("a param in [0, ", n, ")"));
+        const void* p = input ? bindings.inputs[a.index] : bindings.outputs[a.index];
+        CHECK(bytes == 0 || p != nullptr, detail::concat(input ? "inputs[" : "outputs[", a.index, "]"),
+              "null", "a buffer");
+        CHECK(a.offset <= BucketLayout::kMaxWindowBytes, name(".offset"), a.offset, "<= 2^48");
+        return true;
+      }
+    }
+    CHECK(false, name(".space"), static_cast<int>(a.space), "window, input or output");
+    return false;
+  };
+  // Element counts: non-negative and small enough that count * element size cannot overflow.
+  auto check_count = [&](std::size_t i, const char* what, int64_t count) -> bool {
+    CHECK(count >= 0 && static_cast<uint64_t>(count) <= BucketLayout::kMaxWindowBytes,
+          detail::concat("steps[", i, "].", what), count, "in [0, 2^48]");
+    return true;
+  };
+  auto check_dtype = [&](std::size_t i, const char* what, DType d) -> bool {
+    CHECK(known_dtype(d), detail::concat("steps[", i, "].", what), static_cast<int>(d),
+          "bf16, fp16 or fp32");
+    return true;
+  };
+  auto check_peer = [&](std::size_t i, int peer, FlagKind kind) -> bool {
+    CHECK(peer >= 0 && peer < world && peer != rank, detail::concat("steps[", i, "].peer"), peer,
+          detail::concat("a rank in [0, ", world, ") other than ", rank));
+    CHECK(static_cast<int>(kind) < kNumFlagKinds, detail::concat("steps[", i, "].kind"),
+          static_cast<int>(kind), "slot_free or data_ready");
+    return true;
+  };
+
+  for (std::size_t i = 0; i < program.steps.size(); ++i) {
+    const Step& step = program.steps[i];
+    CHECK(static_cast<int>(step.phase) <= static_cast<int>(Phase::kReduce),
+          detail::concat("steps[", i, "].phase"), static_cast<int>(step.phase), "a Phase");
+    CHECK(!step.op.valueless_by_exception(), detail::concat("steps[", i, "].op"), "valueless",
+          "an operation");
+    if (const auto* cast = std::get_if<CastOp>(&step.op)) {
+      if (!check_count(i, "count", cast->count) || !check_count(i, "pad", cast->pad) ||
+          !check_dtype(i, "src_dtype", cast->src_dtype) || !check_dtype(i, "dst_dtype", cast->dst_dtype))
+        return false;
+      CHECK(cast->dst.space == Space::kWindow && cast->dst.index == rank,
+            detail::concat("steps[", i, "].dst"), "another buffer",
+            detail::concat("the own window (window[", rank, "])"));
+      if (!check(i, "", -1, "src", cast->src, cast->count * dtype_size(cast->src_dtype), false) ||
+          !check(i, "", -1, "dst", cast->dst, (cast->count + cast->pad) * dtype_size(cast->dst_dtype),
+                 true))
+        return false;
+    } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
+      for (std::size_t k = 0; k < batch->copies.size(); ++k) {
+        const CopyOp& c = batch->copies[k];
+        CHECK(c.bytes <= BucketLayout::kMaxWindowBytes,
+              detail::concat("steps[", i, "].copies[", k, "].bytes"), c.bytes, "<= 2^48");
+        if (!check(i, "copies", static_cast<long>(k), ".src", c.src, c.bytes, false) ||
+            !check(i, "copies", static_cast<long>(k), ".dst", c.dst, c.bytes, true))
+          return false;
+      }
+    } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
+      if (!check_peer(i, signal->peer, signal->kind)) return false;
+    } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
+      if (!check_peer(i, wait->peer, wait->kind)) return false;
+    } else if (const auto* reduce = std::get_if<ReduceOp>(&step.op)) {
+      if (!check_count(i, "count", reduce->count) || !check_dtype(i, "src_dtype", reduce->src_dtype) ||
+          !check_dtype(i, "dst_dtype", reduce->dst_dtype))
+        return false;
+      CHECK(reduce->param >= 0 && reduce->param < program.num_params,
+            detail::concat("steps[", i, "].param"), reduce->param,
+            detail::concat("in [0, ", program.num_params, ")"));
+      CHECK(reduce->sources.size() == static_cast<std::size_t>(world),
+            detail::concat("steps[", i, "].sources.size()"), reduce->sources.size(),
+            detail::concat(world, " (one per rank)"));
+      const std::size_t src_bytes = reduce->count * dtype_size(reduce->src_dtype);
+      for (std::size_t k = 0; k < reduce->sources.size(); ++k)
+        if (!check(i, "sources", static_cast<long>(k), "", reduce->sources[k], src_bytes, false))
+          return false;
+      if (!check(i, "", -1, "dst", reduce->dst, reduce->count * dtype_size(reduce->dst_dtype), true))
+        return false;
+    }
+  }
+  return true;
+}
+
+#undef CHECK
+
 }  // namespace
 
 // Everything an executor dereferences is checked here, so no program or bindings can make it touch
 // memory outside the windows and the bound buffers (whose sizes it cannot know: their owner's part).
-// Message arguments are only built on failure.
+// The steps are checked once without building any message (a run's launch cost), and only a
+// program that fails is checked again to explain why.
 void validate_run(const Program& program, const Bindings& bindings, int rank, int world,
                   std::size_t window_bytes, const void* window_base) {
   const char* where = "Executor::run";
@@ -55,107 +178,9 @@ void validate_run(const Program& program, const Bindings& bindings, int rank, in
                  bindings.outputs.size(), detail::concat(outputs_expected,
                  program.collective == Collective::kReduceScatter ? " (one per param)"
                                                                   : " (all-gather has none)"));
-
-  // a: the address of `bytes` bytes that step i's operand `what` (or `list`[k].`what` when k >= 0)
-  // reads, or writes if `write`.
-  auto check = [&](std::size_t i, const char* list, long k, const char* what, const Address& a,
-                   std::size_t bytes, bool write) {
-    auto name = [&](const char* field) {
-      return k < 0 ? detail::concat("steps[", i, "].", what, field)
-                   : detail::concat("steps[", i, "].", list, "[", k, "]", what, field);
-    };
-    switch (a.space) {
-      case Space::kWindow:
-        TIDE_CHECK_ARG(a.index >= 0 && a.index < world, where, name(".index"), a.index,
-                       detail::concat("a rank in [0, ", world, ")"));
-        TIDE_CHECK_ARG(a.offset <= window_bytes && bytes <= window_bytes - a.offset, where,
-                       name(""), detail::concat("[", a.offset, ", +", bytes, ") of window[", a.index, "]"),
-                       detail::concat("inside the window's ", window_bytes, " B"));
-        return;
-      case Space::kInput:
-      case Space::kOutput: {
-        const bool input = a.space == Space::kInput;
-        TIDE_CHECK_ARG(!(write && input), where, name(".space"), "input",
-                       "a window or an output (inputs are read-only)");
-        const std::size_t n = input ? bindings.inputs.size() : bindings.outputs.size();
-        TIDE_CHECK_ARG(a.index >= 0 && static_cast<std::size_t>(a.index) < n, where, name(".index"),
-                       a.index, detail::concat("a param in [0, ", n, ")"));
-        const void* p = input ? bindings.inputs[a.index] : bindings.outputs[a.index];
-        if (bytes > 0)
-          TIDE_CHECK_ARG(p != nullptr, where,
-                         detail::concat(input ? "inputs[" : "outputs[", a.index, "]"), "null",
-                         "a buffer");
-        TIDE_CHECK_ARG(a.offset <= BucketLayout::kMaxWindowBytes, where, name(".offset"), a.offset,
-                       "<= 2^48");
-        return;
-      }
-    }
-    TIDE_CHECK_ARG(false, where, name(".space"), static_cast<int>(a.space), "window, input or output");
-  };
-  // Element counts: non-negative and small enough that count * element size cannot overflow.
-  auto check_count = [&](std::size_t i, const char* what, int64_t count) {
-    TIDE_CHECK_ARG(count >= 0 && static_cast<uint64_t>(count) <= BucketLayout::kMaxWindowBytes,
-                   where, detail::concat("steps[", i, "].", what), count, "in [0, 2^48]");
-  };
-  auto check_dtype = [&](std::size_t i, const char* what, DType d) {
-    TIDE_CHECK_ARG(known_dtype(d), where, detail::concat("steps[", i, "].", what),
-                   static_cast<int>(d), "bf16, fp16 or fp32");
-  };
-  auto check_peer = [&](std::size_t i, int peer, FlagKind kind) {
-    TIDE_CHECK_ARG(peer >= 0 && peer < world && peer != rank, where,
-                   detail::concat("steps[", i, "].peer"), peer,
-                   detail::concat("a rank in [0, ", world, ") other than ", rank));
-    TIDE_CHECK_ARG(static_cast<int>(kind) < kNumFlagKinds, where,
-                   detail::concat("steps[", i, "].kind"), static_cast<int>(kind),
-                   "slot_free or data_ready");
-  };
-
-  for (std::size_t i = 0; i < program.steps.size(); ++i) {
-    const Step& step = program.steps[i];
-    TIDE_CHECK_ARG(static_cast<int>(step.phase) <= static_cast<int>(Phase::kReduce), where,
-                   detail::concat("steps[", i, "].phase"), static_cast<int>(step.phase),
-                   "a Phase");
-    TIDE_CHECK_ARG(!step.op.valueless_by_exception(), where, detail::concat("steps[", i, "].op"),
-                   "valueless", "an operation");
-    if (const auto* cast = std::get_if<CastOp>(&step.op)) {
-      check_count(i, "count", cast->count);
-      check_count(i, "pad", cast->pad);
-      check_dtype(i, "src_dtype", cast->src_dtype);
-      check_dtype(i, "dst_dtype", cast->dst_dtype);
-      TIDE_CHECK_ARG(cast->dst.space == Space::kWindow && cast->dst.index == rank, where,
-                     detail::concat("steps[", i, "].dst"), "another buffer",
-                     detail::concat("the own window (window[", rank, "])"));
-      check(i, "", -1, "src", cast->src, cast->count * dtype_size(cast->src_dtype), false);
-      check(i, "", -1, "dst", cast->dst, (cast->count + cast->pad) * dtype_size(cast->dst_dtype),
-            true);
-    } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
-      for (std::size_t k = 0; k < batch->copies.size(); ++k) {
-        const CopyOp& c = batch->copies[k];
-        TIDE_CHECK_ARG(c.bytes <= BucketLayout::kMaxWindowBytes, where,
-                       detail::concat("steps[", i, "].copies[", k, "].bytes"), c.bytes, "<= 2^48");
-        check(i, "copies", static_cast<long>(k), ".src", c.src, c.bytes, false);
-        check(i, "copies", static_cast<long>(k), ".dst", c.dst, c.bytes, true);
-      }
-    } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
-      check_peer(i, signal->peer, signal->kind);
-    } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
-      check_peer(i, wait->peer, wait->kind);
-    } else if (const auto* reduce = std::get_if<ReduceOp>(&step.op)) {
-      check_count(i, "count", reduce->count);
-      check_dtype(i, "src_dtype", reduce->src_dtype);
-      check_dtype(i, "dst_dtype", reduce->dst_dtype);
-      TIDE_CHECK_ARG(reduce->param >= 0 && reduce->param < program.num_params, where,
-                     detail::concat("steps[", i, "].param"), reduce->param,
-                     detail::concat("in [0, ", program.num_params, ")"));
-      TIDE_CHECK_ARG(reduce->sources.size() == static_cast<std::size_t>(world), where,
-                     detail::concat("steps[", i, "].sources.size()"), reduce->sources.size(),
-                     detail::concat(world, " (one per rank)"));
-      for (std::size_t k = 0; k < reduce->sources.size(); ++k)
-        check(i, "sources", static_cast<long>(k), "", reduce->sources[k],
-              reduce->count * dtype_size(reduce->src_dtype), false);
-      check(i, "", -1, "dst", reduce->dst, reduce->count * dtype_size(reduce->dst_dtype), true);
-    }
-  }
+  if (check_steps<false>(program, bindings, rank, world, window_bytes)) return;
+  check_steps<true>(program, bindings, rank, world, window_bytes);  // throws the first problem
+  throw InvalidArgument("Executor::run: program = rejected, expected a valid program");  // unreachable
 }
 
 }  // namespace tide
