@@ -116,6 +116,12 @@ class HostExecutor final : public Executor {
   void wait(const Program& program, std::size_t index, const WaitOp& op, uint64_t epoch,
             Publisher& publisher);
   void retract_slot_free(uint64_t epoch);
+  // Host network transport (a stand-in for NCCL, see NetOutbox): waits, bounded by the timeout,
+  // until ready() holds, sleeping on `word`; `what` names the transfer in errors.
+  template <class Ready>
+  void net_wait(const Program& program, std::size_t index, int peer, uint64_t epoch,
+                const std::string& what, uint64_t* word, FlagKind kind, Ready ready,
+                Publisher& publisher);
   HostWindow& window_;
   std::chrono::milliseconds timeout_;
   bool debug_;
@@ -128,8 +134,10 @@ std::string describe_executor_state();
 
 // Checks a program and its bindings against an executor's window before anything runs: rank and
 // world match, the window is large and aligned enough, every input and output a step uses is bound.
-// Shared by all executors so they reject bad input identically.
+// Shared by all executors so they reject bad input identically. Network ops (NetSendOp,
+// NetRecvOp) are rejected unless the executor has a network transport (net_supported: the host
+// executor's stand-in for NCCL; the CUDA executor has none yet).
 void validate_run(const Program& program, const Bindings& bindings, int rank, int world,
-                  std::size_t window_bytes, const void* window_base);
+                  std::size_t window_bytes, const void* window_base, bool net_supported = false);
 
 }  // namespace tide

@@ -94,9 +94,36 @@ struct ReduceOp {
   bool accumulate;
 };
 
+// --- Network ops (between nodes; W = nodes x local, see Topology) ---
+//
+// Two-sided transfers between ranks on different nodes, matched in order per (sender, receiver,
+// channel): the k-th NetSendOp from s to r on a channel pairs with the k-th NetRecvOp of r from s on
+// it, with equal bytes. Both addresses are in the own window. A send is *posted* (it does not wait
+// for the receiver, like an ncclSend inside a group) and completes once the receiver has taken the
+// bytes; its source must not be written until then (executors wait for that before any step that
+// writes over it, and before the program ends). A receive blocks until its bytes are in place.
+// At most kNetQueueDepth sends per (sender, receiver, channel) may be outstanding; a further send
+// waits for the receiver. verify_programs checks a set against exactly these semantics.
+inline constexpr int kNetChannels = 2;     // channel 0: all-gather, 1: reduce-scatter
+inline constexpr int kNetQueueDepth = 16;  // outstanding sends per (sender, receiver, channel)
+
+struct NetSendOp {
+  int peer;
+  Address src;  // own window
+  std::size_t bytes;
+  int channel;
+};
+
+struct NetRecvOp {
+  int peer;
+  Address dst;  // own window
+  std::size_t bytes;
+  int channel;
+};
+
 struct Step {
   Phase phase;
-  std::variant<CopyBatch, CastOp, SignalOp, WaitOp, ReduceOp> op;
+  std::variant<CopyBatch, CastOp, SignalOp, WaitOp, ReduceOp, NetSendOp, NetRecvOp> op;
 };
 
 struct Program {
@@ -114,6 +141,17 @@ struct Program {
   // Readable listing, one line per step (copy batches summarised per peer).
   std::string to_string() const;
   std::size_t bytes_pushed() const;
+};
+
+// Pacing of the network part of multi-node plans: every transfer is split into chunks of at most
+// chunk_bytes (one send/recv pair each), and a rank has at most max_chunks_in_flight sends to one
+// peer outstanding before it receives from it: bytes in flight per step and per peer are bounded by
+// chunk_bytes x max_chunks_in_flight. The reduce-scatter's staging ring has ring_depth send buffers
+// of one chunk (plus one receive and one local-partial buffer).
+struct NetOptions {
+  std::size_t chunk_bytes = std::size_t{1} << 20;  // multiple of 16, >= 16
+  int max_chunks_in_flight = 4;                    // in [1, kNetQueueDepth]
+  int ring_depth = 4;                              // in [1, kNetQueueDepth]
 };
 
 enum class ReduceKind : uint8_t { kSum, kAvg };
@@ -135,6 +173,33 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket = 
 // every gradient into rank q's slot(i, rank), signal data-ready, wait, reduce.
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
                             uint32_t bucket = 0);
+
+// Multi-node versions (layout.topology().nodes > 1; with one node they equal the ones above).
+//
+// All-gather: node-local delivery as on one node (copy pushes into local peers' slots), and between
+// nodes recursive doubling among rail peers (same local rank): at step k node n exchanges every
+// shard gathered so far with node n xor 2^k; with a node count N that is not a power of two, the
+// N - P nodes above the largest power of two P first send their shards to node n - P and finally
+// receive everything from it. Received shards land in their slots by address and are forwarded to
+// local peers by copy pushes.
+//
+// Reduce-scatter in two phases: (1) node-local: every rank pushes its gradient chunks destined to
+// rail l (ranks m * local + l of every node m) into local rank l's vacated slots; (2) across nodes,
+// a ring among rail peers over fp32 partials, in chunks through a fixed staging ring at the end of
+// the window: node n reduces the local slots of a chunk into an fp32 partial, adds the partial it
+// received from node n - 1, and sends the sum to node n + 1; after N - 1 steps it holds the full sum
+// of its own chunk and writes the output. Staging is constant in W (rs_staging_bytes); the window
+// of a multi-node reduce-scatter program is layout.window_bytes() + rs_staging_bytes().
+Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
+                        const NetOptions& net);
+Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
+                            uint32_t bucket, const NetOptions& net);
+
+// Bytes of reduce-scatter staging per rank beyond the bucket's window (0 on one node, where peers'
+// chunks are staged in vacated slots): a fixed ring of fp32 chunks, independent of W.
+std::size_t rs_staging_bytes(const BucketLayout& layout, const NetOptions& net = {});
+// Stock FSDP2's reduce-scatter input: one fp32 full-group buffer, W x sum_i S_i x 4 bytes per rank.
+std::size_t stock_rs_buffer_bytes(const BucketLayout& layout);
 
 // Checks a full set of programs (one per rank, same collective) against the layout: every window
 // byte the collective must deliver is written exactly once, from the right place (a rank's own

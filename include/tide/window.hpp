@@ -41,6 +41,24 @@ struct alignas(64) PublishedState {
   uint64_t reserved[4];
 };
 
+// The host network transport: a stand-in for NCCL between "nodes" that are ranks of one host (CI,
+// virtual nodes). Per (channel, receiver) the sender keeps an outbox in its own segment: a queue of
+// kNetQueueDepth posted sends (window offset, bytes, epoch, tag). The receiver pulls the bytes out
+// of the sender's window into its own and advances `taken`, which completes the send. Counters
+// count sends on a window and never reset, like epochs.
+struct alignas(64) NetEntry {
+  uint64_t seq;  // 1-based send number on this outbox; written last (release)
+  uint64_t epoch, tag, offset, bytes;
+  uint64_t reserved[3];
+};
+struct alignas(64) NetOutbox {
+  uint64_t posted;  // sends posted (written by the sender)
+  uint64_t reserved0[7];
+  uint64_t taken;   // sends received (written by the receiver)
+  uint64_t reserved1[7];
+  NetEntry entries[kNetQueueDepth];
+};
+
 inline std::size_t flag_index(FlagKind kind, int src_rank, int world) {
   return static_cast<std::size_t>(kind) * world + src_rank;
 }
@@ -66,6 +84,8 @@ class HostWindow {
   std::byte* data(int rank) const;      // rank's data, as mapped in this process
   FlagWord* flags(int rank) const;      // rank's flag array, as mapped in this process
   PublishedState* state(int rank) const;  // rank's published executor state, as mapped here
+  // The outbox of `sender` (in its segment) for sends to `receiver` on `channel`.
+  NetOutbox* outbox(int sender, int channel, int receiver) const;
   // Epochs count collectives run on this window; they never reset.
   uint64_t next_epoch() { return ++epoch_; }
   uint64_t epoch() const { return epoch_; }

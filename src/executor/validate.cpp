@@ -35,8 +35,14 @@ bool known_dtype(DType d) { return d == DType::kBF16 || d == DType::kFP16 || d =
 // Every address, count, dtype, peer and flag of every step.
 template <bool kExplain>
 bool check_steps(const Program& program, const Bindings& bindings, int rank, int world,
-                 std::size_t window_bytes) {
+                 std::size_t window_bytes, bool net_supported) {
   [[maybe_unused]] const char* where = "Executor::run";
+  bool has_net = false;
+  for (const Step& step : program.steps)
+    if (std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op)) {
+      has_net = true;
+      break;
+    }
   // a: the address of `bytes` bytes that step i's operand `what` (or `list`[k].`what` when k >= 0)
   // reads, or writes if `write`.
   auto check = [&](std::size_t i, const char* list, long k, const char* what, const Address& a,
@@ -120,6 +126,34 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
       if (!check_peer(i, signal->peer, signal->kind)) return false;
     } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
       if (!check_peer(i, wait->peer, wait->kind)) return false;
+    } else if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
+      CHECK(net_supported, detail::concat("steps[", i, "]"), "a NetSendOp",
+            "no network ops: this executor has no network transport yet (the host executor has "
+            "one; the CUDA executor's NCCL transport is not built)");
+      CHECK(send->peer >= 0 && send->peer < world && send->peer != rank,
+            detail::concat("steps[", i, "].peer"), send->peer,
+            detail::concat("a rank in [0, ", world, ") other than ", rank));
+      CHECK(send->channel >= 0 && send->channel < kNetChannels,
+            detail::concat("steps[", i, "].channel"), send->channel,
+            detail::concat("in [0, ", kNetChannels, ")"));
+      CHECK(send->src.space == Space::kWindow && send->src.index == rank,
+            detail::concat("steps[", i, "].src"), "another buffer",
+            detail::concat("the own window (window[", rank, "])"));
+      if (!check(i, "", -1, "src", send->src, send->bytes, false)) return false;
+    } else if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
+      CHECK(net_supported, detail::concat("steps[", i, "]"), "a NetRecvOp",
+            "no network ops: this executor has no network transport yet (the host executor has "
+            "one; the CUDA executor's NCCL transport is not built)");
+      CHECK(recv->peer >= 0 && recv->peer < world && recv->peer != rank,
+            detail::concat("steps[", i, "].peer"), recv->peer,
+            detail::concat("a rank in [0, ", world, ") other than ", rank));
+      CHECK(recv->channel >= 0 && recv->channel < kNetChannels,
+            detail::concat("steps[", i, "].channel"), recv->channel,
+            detail::concat("in [0, ", kNetChannels, ")"));
+      CHECK(recv->dst.space == Space::kWindow && recv->dst.index == rank,
+            detail::concat("steps[", i, "].dst"), "another buffer",
+            detail::concat("the own window (window[", rank, "])"));
+      if (!check(i, "", -1, "dst", recv->dst, recv->bytes, true)) return false;
     } else if (const auto* reduce = std::get_if<ReduceOp>(&step.op)) {
       if (!check_count(i, "count", reduce->count) || !check_dtype(i, "src_dtype", reduce->src_dtype) ||
           !check_dtype(i, "dst_dtype", reduce->dst_dtype))
@@ -127,9 +161,14 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
       CHECK(reduce->param >= 0 && reduce->param < program.num_params,
             detail::concat("steps[", i, "].param"), reduce->param,
             detail::concat("in [0, ", program.num_params, ")"));
-      CHECK(reduce->sources.size() == static_cast<std::size_t>(world),
-            detail::concat("steps[", i, "].sources.size()"), reduce->sources.size(),
-            detail::concat(world, " (one per rank)"));
+      if (has_net)  // multi-node plans reduce local ranks' chunks and fp32 partials
+        CHECK(!reduce->sources.empty() && reduce->sources.size() <= static_cast<std::size_t>(world),
+              detail::concat("steps[", i, "].sources.size()"), reduce->sources.size(),
+              detail::concat("in [1, ", world, "]"));
+      else
+        CHECK(reduce->sources.size() == static_cast<std::size_t>(world),
+              detail::concat("steps[", i, "].sources.size()"), reduce->sources.size(),
+              detail::concat(world, " (one per rank)"));
       const std::size_t src_bytes = reduce->count * dtype_size(reduce->src_dtype);
       for (std::size_t k = 0; k < reduce->sources.size(); ++k)
         if (!check(i, "sources", static_cast<long>(k), "", reduce->sources[k], src_bytes, false))
@@ -150,7 +189,7 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
 // The steps are checked once without building any message (a run's launch cost), and only a
 // program that fails is checked again to explain why.
 void validate_run(const Program& program, const Bindings& bindings, int rank, int world,
-                  std::size_t window_bytes, const void* window_base) {
+                  std::size_t window_bytes, const void* window_base, bool net_supported) {
   const char* where = "Executor::run";
   TIDE_CHECK_ARG(program.world == world, where, "program.world", program.world,
                  detail::concat(world, " (the window's W)"));
@@ -178,8 +217,8 @@ void validate_run(const Program& program, const Bindings& bindings, int rank, in
                  bindings.outputs.size(), detail::concat(outputs_expected,
                  program.collective == Collective::kReduceScatter ? " (one per param)"
                                                                   : " (all-gather has none)"));
-  if (check_steps<false>(program, bindings, rank, world, window_bytes)) return;
-  check_steps<true>(program, bindings, rank, world, window_bytes);  // throws the first problem
+  if (check_steps<false>(program, bindings, rank, world, window_bytes, net_supported)) return;
+  check_steps<true>(program, bindings, rank, world, window_bytes, net_supported);  // throws the first problem
   throw InvalidArgument("Executor::run: program = rejected, expected a valid program");  // unreachable
 }
 

@@ -4,6 +4,7 @@
 
 #include "tide/error.hpp"
 #include "tide/plan.hpp"
+#include "planner_internal.hpp"
 
 namespace tide {
 namespace {
@@ -54,6 +55,32 @@ void add_pushes(Program& program, const std::vector<int>& peers, MakeBatch make_
 }  // namespace
 
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket) {
+  return plan_all_gather(layout, rank, bucket, NetOptions{});
+}
+
+Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
+                            uint32_t bucket) {
+  return plan_reduce_scatter(layout, rank, options, bucket, NetOptions{});
+}
+
+namespace detail {
+
+void check_reduce_options(const BucketLayout& layout, const ReduceOptions& options) {
+  TIDE_CHECK_ARG(options.kind == ReduceKind::kSum || options.kind == ReduceKind::kAvg,
+                 "plan_reduce_scatter", "options.kind", static_cast<int>(options.kind),
+                 "kSum or kAvg");
+  TIDE_CHECK_ARG(std::isfinite(options.prescale), "plan_reduce_scatter", "options.prescale",
+                 options.prescale, "a finite number");
+  TIDE_CHECK_ARG(std::isfinite(options.postscale), "plan_reduce_scatter", "options.postscale",
+                 options.postscale, "a finite number");
+  for (const ParamLayout& p : layout.params())
+    TIDE_CHECK_ARG(p.shard_dtype == DType::kFP32 || p.shard_dtype == p.dtype,
+                   "plan_reduce_scatter", detail::concat("param '", p.name, "' shard_dtype"),
+                   dtype_name(p.shard_dtype),
+                   detail::concat("fp32 or the param's dtype ", dtype_name(p.dtype)));
+}
+
+Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket) {
   Program program = empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
   const auto& params = layout.params();
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -76,23 +103,12 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket) {
   return program;
 }
 
-Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
-                            uint32_t bucket) {
+Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
+                                     const ReduceOptions& options, uint32_t bucket) {
   Program program =
       empty_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");
-  TIDE_CHECK_ARG(options.kind == ReduceKind::kSum || options.kind == ReduceKind::kAvg,
-                 "plan_reduce_scatter", "options.kind", static_cast<int>(options.kind),
-                 "kSum or kAvg");
-  TIDE_CHECK_ARG(std::isfinite(options.prescale), "plan_reduce_scatter", "options.prescale",
-                 options.prescale, "a finite number");
-  TIDE_CHECK_ARG(std::isfinite(options.postscale), "plan_reduce_scatter", "options.postscale",
-                 options.postscale, "a finite number");
+  check_reduce_options(layout, options);
   const auto& params = layout.params();
-  for (const ParamLayout& p : params)
-    TIDE_CHECK_ARG(p.shard_dtype == DType::kFP32 || p.shard_dtype == p.dtype,
-                   "plan_reduce_scatter", detail::concat("param '", p.name, "' shard_dtype"),
-                   dtype_name(p.shard_dtype),
-                   detail::concat("fp32 or the param's dtype ", dtype_name(p.dtype)));
   const std::vector<int> peers = staggered_peers(rank, layout.world());
   add_slot_free_signals(program, peers);
   add_pushes(program, peers, [&](int q) {
@@ -124,5 +140,7 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   }
   return program;
 }
+
+}  // namespace detail
 
 }  // namespace tide

@@ -61,6 +61,12 @@ std::string Program::to_string() const {
             os << "signal " << flag_name(op.kind) << " -> rank " << op.peer << "\n";
           } else if constexpr (std::is_same_v<T, WaitOp>) {
             os << "wait " << flag_name(op.kind) << " <- rank " << op.peer << "\n";
+          } else if constexpr (std::is_same_v<T, NetSendOp>) {
+            os << "net send " << op.src << " -> rank " << op.peer << " (" << op.bytes
+               << " B, channel " << op.channel << ")\n";
+          } else if constexpr (std::is_same_v<T, NetRecvOp>) {
+            os << "net recv " << op.dst << " <- rank " << op.peer << " (" << op.bytes
+               << " B, channel " << op.channel << ")\n";
           } else {
             os << "reduce param " << op.param << ": " << op.count << " elems ("
                << dtype_name(op.src_dtype) << "->" << dtype_name(op.dst_dtype) << "), "

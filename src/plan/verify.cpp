@@ -38,7 +38,10 @@ std::vector<std::pair<std::size_t, std::size_t>> merged(std::vector<Interval> v)
 
 }  // namespace
 
+void verify_net_programs(const BucketLayout& layout, const std::vector<Program>& programs);
+
 void verify_programs(const BucketLayout& layout, const std::vector<Program>& programs) {
+  if (layout.topology().nodes > 1) return verify_net_programs(layout, programs);
   const int world = layout.world();
   if (static_cast<int>(programs.size()) != world)
     throw Error(detail::concat("verify_programs: ", programs.size(), " programs, expected W = ",
@@ -176,6 +179,8 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
               if (static_cast<int>(op.kind) >= kNumFlagKinds) fail(program, s, "bad wait kind");
               ++waits[{op.peer, r, static_cast<int>(op.kind)}];
               (op.kind == FlagKind::kSlotFree ? waited_free : waited_data).insert(op.peer);
+            } else if constexpr (std::is_same_v<T, NetSendOp> || std::is_same_v<T, NetRecvOp>) {
+              fail(program, s, "a network op in a single-node set (topology has 1 node)");
             } else {  // ReduceOp
               if (collective != Collective::kReduceScatter) fail(program, s, "an all-gather has no reduces");
               if (static_cast<int>(op.sources.size()) != world)

@@ -94,7 +94,8 @@ std::unique_ptr<HostWindow> HostWindow::create(Bootstrap& bootstrap, std::size_t
   TIDE_CHECK_ARG(data_bytes > 0 && data_bytes <= BucketLayout::kMaxWindowBytes, "HostWindow::create",
                  "data_bytes", data_bytes, "> 0 and <= 2^48");
   const std::size_t mapped =
-      data_region_bytes(data_bytes) + flag_region_bytes(world) + sizeof(PublishedState);
+      data_region_bytes(data_bytes) + flag_region_bytes(world) + sizeof(PublishedState) +
+      sizeof(NetOutbox) * kNetChannels * static_cast<std::size_t>(world);
   std::unique_ptr<HostWindow> window(new HostWindow(rank, data_bytes, mapped));
   window->maps_.assign(world, nullptr);
 
@@ -121,6 +122,12 @@ std::unique_ptr<HostWindow> HostWindow::create(Bootstrap& bootstrap, std::size_t
   }
   ::shm_unlink(mine.c_str());
   return window;
+}
+
+NetOutbox* HostWindow::outbox(int sender, int channel, int receiver) const {
+  auto* first = reinterpret_cast<NetOutbox*>(reinterpret_cast<std::byte*>(state(sender)) +
+                                             sizeof(PublishedState));
+  return first + static_cast<std::size_t>(channel) * world() + receiver;
 }
 
 std::byte* HostWindow::data(int rank) const {

@@ -215,7 +215,13 @@ TEST(Fuzz, LayoutsAndPlans) {
         if (coll == Collective::kAllGather) {
           std::size_t slots = 0;
           for (const ParamLayout& p : layout.params()) slots += p.slot_bytes();
-          if (set[0].bytes_pushed() != (layout.world() - 1) * slots) t.fail(i, "AG pushes wrong");
+          // One node: every slot to every peer. Several: node-local copies only, every rail slot
+          // (own + the other nodes' on the same rail) to each local peer; the rest is network.
+          const Topology& topo = layout.topology();
+          const std::size_t expected = topo.nodes > 1
+                                           ? std::size_t(topo.local - 1) * topo.nodes * slots
+                                           : (layout.world() - 1) * slots;
+          if (set[0].bytes_pushed() != expected) t.fail(i, "AG pushes wrong");
         }
       }
     } catch (const std::exception& e) {
@@ -544,6 +550,8 @@ void corrupt_anything(Rng& rng, std::vector<Program>& set) {
         case 3: if (!op.sources.empty()) op.sources.pop_back(); break;
         default: op.dst.space = static_cast<Space>(rng() % 4);
       }
+    } else if constexpr (std::is_same_v<T, NetSendOp> || std::is_same_v<T, NetRecvOp>) {
+      if (chance(rng, 0.5)) nudge(op.peer); else nudge(op.bytes);
     } else {  // SignalOp, WaitOp
       if (chance(rng, 0.5)) nudge(op.peer); else op.kind = static_cast<FlagKind>(rng() % 3);
     }

@@ -490,10 +490,68 @@ void HostExecutor::wait(const Program& program, std::size_t index, const WaitOp&
          peer);
 }
 
+template <class Ready>
+void HostExecutor::net_wait(const Program& program, std::size_t index, int peer, uint64_t epoch,
+                            const std::string& what, uint64_t* word, FlagKind kind, Ready ready,
+                            Publisher& publisher) {
+  if (ready()) return;
+  const int rank = window_.rank();
+  const Phase phase = program.steps[index].phase;
+  publisher.publish(Status::kWaiting, phase, index, peer, kind);
+  auto context = [&] {
+    return detail::concat(what, " (", describe_tag(program.tag()), ", phase ", phase_name(phase),
+                          ", epoch ", epoch, ") at step ", index, "/", program.steps.size(),
+                          " [host network transport]");
+  };
+  const auto start = Clock::now();
+  auto next_check = start + kFirstPeerCheck;
+  for (uint64_t spin = 1;; ++spin) {
+    if (ready()) return;
+    if ((spin & 255) != 0) continue;
+    const auto now = Clock::now();
+    if (now >= next_check) {
+      next_check = now + kPeerCheckInterval;
+      const ExecutorState ps = decode(read_raw(*window_.state(peer)), peer, identity_);
+      if (ready()) return;
+      if (ps.consistent && ps.failed() && ps.epoch >= epoch) {
+        publisher.saw(0, 0, ps.cause >= 0 ? ps.cause : peer);
+        const std::string m = detail::concat("rank ", rank, ": rank ", peer, " failed (",
+                                             status_name(ps.status), "), so rank ", rank,
+                                             " stops waiting for ", context(), "; its state: ",
+                                             ps.to_string());
+        if (ps.status == Status::kDesynced) throw DesyncError(m);
+        if (ps.status == Status::kTimedOut) throw TimeoutError(m);
+        throw Error(m);
+      }
+      if (ps.exited) {
+        publisher.saw(0, 0, peer);
+        throw TimeoutError(detail::concat("rank ", rank, ": rank ", peer, " (pid ", ps.pid,
+                                          ") has exited; stopped waiting for ", context(),
+                                          "; its last state: ", ps.to_string()));
+      }
+    }
+    if (now - start > timeout_) {
+      const ExecutorState ps = decode(read_raw(*window_.state(peer)), peer, identity_);
+      publisher.saw(0, 0, peer);
+      throw TimeoutError(detail::concat(
+          "rank ", rank, ": timed out after ", timeout_.count(), " ms waiting for ", context(),
+          "; its state: ", ps.to_string(), ". Rank ", peer,
+          " is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is only slow)"));
+    }
+    const uint64_t seen = std::atomic_ref<uint64_t>(*word).load(std::memory_order_acquire);
+    if (ready()) return;
+    if (now - start < kSpinBeforeSleep)
+      std::this_thread::yield();
+    else
+      sleep_on(word, seen, kLongestSleep);
+  }
+}
+
 void HostExecutor::run(const Program& program, const Bindings& bindings) {
   const int rank = window_.rank();
   const int world = window_.world();
-  validate_run(program, bindings, rank, world, window_.data_bytes(), window_.data(rank));
+  validate_run(program, bindings, rank, world, window_.data_bytes(), window_.data(rank),
+               /*net_supported=*/true);
   const uint64_t epoch = window_.next_epoch();
   const uint64_t tag = program.tag();
   Publisher publisher(*window_.state(rank), identity_, epoch, tag, program.steps.size());
@@ -509,6 +567,35 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
     return nullptr;
   };
 
+  // Sends posted and not yet known to be received: (peer, channel, number, offset, bytes).
+  struct Pending {
+    int peer, channel;
+    uint64_t seq;
+    std::size_t offset, bytes;
+  };
+  std::vector<Pending> pending;
+  auto complete = [&](const Pending& p, std::size_t index) {
+    NetOutbox* ob = window_.outbox(rank, p.channel, p.peer);
+    std::atomic_ref<uint64_t> taken(ob->taken);
+    net_wait(program, index, p.peer, epoch,
+             detail::concat("net send #", p.seq, " (", p.bytes, " B) to rank ", p.peer,
+                            " to be received"),
+             &ob->taken, FlagKind::kSlotFree,
+             [&] { return taken.load(std::memory_order_acquire) >= p.seq; }, publisher);
+  };
+  // Before a step writes own-window bytes [offset, offset + bytes): sends reading them complete.
+  auto before_write = [&](const Address& a, std::size_t bytes, std::size_t index) {
+    if (a.space != Space::kWindow || pending.empty()) return;
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (it->offset < a.offset + bytes && a.offset < it->offset + it->bytes) {
+        complete(*it, index);
+        it = pending.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  };
+
   try {
     for (std::size_t index = 0; index < program.steps.size(); ++index) {
       const Step& step = program.steps[index];
@@ -516,7 +603,58 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
         wait(program, index, *wait_op, epoch, publisher);
         continue;
       }
+      if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
+        NetOutbox* ob = window_.outbox(rank, send->channel, send->peer);
+        std::atomic_ref<uint64_t> posted(ob->posted), taken(ob->taken);
+        const uint64_t k = posted.load(std::memory_order_relaxed) + 1;
+        net_wait(program, index, send->peer, epoch,
+                 detail::concat("room in the queue of net sends to rank ", send->peer),
+                 &ob->taken, FlagKind::kSlotFree,
+                 [&] { return k - taken.load(std::memory_order_acquire) <= kNetQueueDepth; },
+                 publisher);
+        publisher.publish(Status::kRunning, step.phase, index);
+        NetEntry& e = ob->entries[(k - 1) % kNetQueueDepth];
+        e.epoch = epoch, e.tag = tag, e.offset = send->src.offset, e.bytes = send->bytes;
+        std::atomic_ref<uint64_t>(e.seq).store(k, std::memory_order_release);
+        posted.store(k, std::memory_order_release);
+        wake_sleepers(&ob->posted);
+        pending.push_back({send->peer, send->channel, k, send->src.offset, send->bytes});
+        continue;
+      }
+      if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
+        before_write(recv->dst, recv->bytes, index);
+        NetOutbox* ob = window_.outbox(recv->peer, recv->channel, rank);
+        std::atomic_ref<uint64_t> posted(ob->posted), taken(ob->taken);
+        const uint64_t k = taken.load(std::memory_order_relaxed) + 1;
+        net_wait(program, index, recv->peer, epoch,
+                 detail::concat("net recv #", k, " (", recv->bytes, " B) from rank ", recv->peer),
+                 &ob->posted, FlagKind::kDataReady,
+                 [&] { return posted.load(std::memory_order_acquire) >= k; }, publisher);
+        publisher.publish(Status::kRunning, step.phase, index);
+        const NetEntry& e = ob->entries[(k - 1) % kNetQueueDepth];
+        const uint64_t seq = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(e.seq)).load(std::memory_order_acquire);
+        if (seq != k || e.epoch != epoch || e.tag != tag || e.bytes != recv->bytes ||
+            e.offset > window_.data_bytes() || e.bytes > window_.data_bytes() - e.offset) {
+          publisher.saw(e.epoch, e.tag, recv->peer);
+          throw DesyncError(detail::concat(
+              "rank ", rank, " runs ", describe_tag(tag), " at epoch ", epoch, " (phase ",
+              phase_name(step.phase), ") and expects net recv #", k, " of ", recv->bytes,
+              " B from rank ", recv->peer, " at step ", index, "/", program.steps.size(),
+              ", but rank ", recv->peer, " posted send #", seq, " of ", e.bytes, " B for ",
+              describe_tag(e.tag), " at epoch ", e.epoch,
+              ": the ranks called collectives in different orders [host network transport]"));
+        }
+        std::memcpy(window_.data(rank) + recv->dst.offset, window_.data(recv->peer) + e.offset,
+                    recv->bytes);
+        taken.store(k, std::memory_order_release);
+        wake_sleepers(&ob->taken);
+        continue;
+      }
       publisher.publish(Status::kRunning, step.phase, index);
+      if (const auto* c = std::get_if<CastOp>(&step.op))
+        before_write(c->dst, (c->count + c->pad) * dtype_size(c->dst_dtype), index);
+      else if (const auto* r = std::get_if<ReduceOp>(&step.op))
+        before_write(r->dst, r->count * dtype_size(r->dst_dtype), index);
       if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
         for (const CopyOp& c : batch->copies)
           if (c.bytes > 0) std::memcpy(resolve(c.dst), resolve(c.src), c.bytes);
@@ -550,6 +688,7 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
         }
       }
     }
+    for (const Pending& p : pending) complete(p, program.steps.empty() ? 0 : program.steps.size() - 1);
     publisher.publish(Status::kDone,
                       program.steps.empty() ? Phase::kCastIn : program.steps.back().phase,
                       program.steps.size());

@@ -1,0 +1,290 @@
+// Multi-node plans (W = nodes x local): paced recursive-doubling all-gather between rail peers and
+// the two-phase reduce-scatter (node-local accumulation, then a chunked ring of fp32 partials
+// through a fixed staging ring). See plan.hpp and DESIGN.md §2.
+#include <algorithm>
+#include <cmath>
+
+#include "tide/error.hpp"
+#include "tide/plan.hpp"
+#include "planner_internal.hpp"
+
+namespace tide {
+namespace {
+
+constexpr std::size_t kStagingAlign = 256;
+
+std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+
+Address win(int rank, std::size_t offset) { return {Space::kWindow, rank, offset}; }
+
+void check_net(const NetOptions& net, const char* where) {
+  TIDE_CHECK_ARG(net.chunk_bytes >= 16 && net.chunk_bytes % 16 == 0 &&
+                     net.chunk_bytes <= BucketLayout::kMaxWindowBytes,
+                 where, "net.chunk_bytes", net.chunk_bytes, "a multiple of 16 in [16, 2^48]");
+  TIDE_CHECK_ARG(net.max_chunks_in_flight >= 1 && net.max_chunks_in_flight <= kNetQueueDepth, where,
+                 "net.max_chunks_in_flight", net.max_chunks_in_flight,
+                 detail::concat("in [1, ", kNetQueueDepth, "]"));
+  TIDE_CHECK_ARG(net.ring_depth >= 1 && net.ring_depth <= kNetQueueDepth, where, "net.ring_depth",
+                 net.ring_depth, detail::concat("in [1, ", kNetQueueDepth, "]"));
+}
+
+// Local peers of `rank` on its node, staggered (local + 1, local + 2, ...).
+std::vector<int> local_peers(const Topology& t, int rank) {
+  std::vector<int> peers;
+  const int node = t.node_of(rank), l = t.local_rank_of(rank);
+  for (int k = 1; k < t.local; ++k) peers.push_back(node * t.local + (l + k) % t.local);
+  return peers;
+}
+
+// A contiguous piece of the window: (offset, bytes).
+struct Piece {
+  std::size_t offset, bytes;
+};
+
+// The window pieces holding the all-gather shards of rail-l nodes `nodes`, cut into chunks of at
+// most chunk_bytes (a chunk never spans two slots), in node then param order.
+std::vector<Piece> rail_chunks(const BucketLayout& layout, int l, const std::vector<int>& nodes,
+                               std::size_t chunk_bytes) {
+  std::vector<Piece> out;
+  const int L = layout.topology().local;
+  for (int m : nodes)
+    for (const ParamLayout& p : layout.params())
+      for (std::size_t at = 0; at < p.slot_bytes(); at += chunk_bytes)
+        out.push_back({p.slot_offset(m * L + l) + at, std::min(chunk_bytes, p.slot_bytes() - at)});
+  return out;
+}
+
+// Paced exchange with `peer`: post up to `in_flight` sends, then one receive per further send.
+void add_exchange(Program& program, int peer, const std::vector<Piece>& sends,
+                  const std::vector<Piece>& recvs, int in_flight, int channel) {
+  const int rank = program.rank;
+  std::size_t s = 0, r = 0;
+  for (; s < sends.size() && s < static_cast<std::size_t>(in_flight); ++s)
+    program.steps.push_back(
+        {Phase::kPush, NetSendOp{peer, win(rank, sends[s].offset), sends[s].bytes, channel}});
+  for (; r < recvs.size(); ++r) {
+    program.steps.push_back(
+        {Phase::kPush, NetRecvOp{peer, win(rank, recvs[r].offset), recvs[r].bytes, channel}});
+    if (s < sends.size()) {
+      program.steps.push_back(
+          {Phase::kPush, NetSendOp{peer, win(rank, sends[s].offset), sends[s].bytes, channel}});
+      ++s;
+    }
+  }
+  for (; s < sends.size(); ++s)
+    program.steps.push_back(
+        {Phase::kPush, NetSendOp{peer, win(rank, sends[s].offset), sends[s].bytes, channel}});
+}
+
+Program empty_net_program(Collective c, const BucketLayout& layout, int rank, uint32_t bucket,
+                          const char* where) {
+  TIDE_CHECK_ARG(rank >= 0 && rank < layout.world(), where, "rank", rank,
+                 detail::concat("in [0, ", layout.world(), ")"));
+  TIDE_CHECK_ARG(bucket < (1u << 31), where, "bucket", bucket, "< 2^31");
+  Program program;
+  program.collective = c;
+  program.rank = rank;
+  program.world = layout.world();
+  program.bucket = bucket;
+  program.num_params = static_cast<int>(layout.num_params());
+  program.window_bytes = layout.window_bytes();
+  program.alignment = layout.alignment();
+  return program;
+}
+
+// Elements of one fp32 staging chunk, and its bytes in the window (rounded up to 256 B).
+int64_t rs_chunk_elems(const BucketLayout& layout, const NetOptions& net) {
+  int64_t max_shard = 1;
+  for (const ParamLayout& p : layout.params()) max_shard = std::max(max_shard, p.shard_numel);
+  return std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(net.chunk_bytes / 4), max_shard));
+}
+
+}  // namespace
+
+std::size_t rs_staging_bytes(const BucketLayout& layout, const NetOptions& net) {
+  check_net(net, "rs_staging_bytes");
+  if (layout.topology().nodes <= 1) return 0;
+  const std::size_t chunk = round_up(rs_chunk_elems(layout, net) * 4, kStagingAlign);
+  return (2 + static_cast<std::size_t>(net.ring_depth)) * chunk;
+}
+
+std::size_t stock_rs_buffer_bytes(const BucketLayout& layout) {
+  std::size_t total = 0;
+  for (const ParamLayout& p : layout.params()) total += static_cast<std::size_t>(p.shard_numel) * 4;
+  return total * layout.world();
+}
+
+Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
+                        const NetOptions& net) {
+  const Topology& t = layout.topology();
+  if (t.nodes <= 1) return detail::plan_all_gather_one_node(layout, rank, bucket);
+  check_net(net, "plan_all_gather");
+  Program program = empty_net_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
+  const auto& params = layout.params();
+  const int N = t.nodes, L = t.local, n = t.node_of(rank), l = t.local_rank_of(rank);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamLayout& p = params[i];
+    const int64_t valid = p.valid_numel(rank);
+    program.steps.push_back({Phase::kCastIn, CastOp{win(rank, p.slot_offset(rank)),
+                                                   {Space::kInput, static_cast<int>(i), 0}, valid,
+                                                   p.shard_numel - valid, p.shard_dtype, p.dtype}});
+  }
+  const std::vector<int> locals = local_peers(t, rank);
+  for (int q : locals) program.steps.push_back({Phase::kSlotFree, SignalOp{q, FlagKind::kSlotFree}});
+  // Own shards to local peers first (their data-ready signal follows the forwarded shards).
+  for (int q : locals) {
+    program.steps.push_back({Phase::kSlotFree, WaitOp{q, FlagKind::kSlotFree}});
+    CopyBatch batch;
+    for (const ParamLayout& p : params)
+      batch.copies.push_back({win(q, p.slot_offset(rank)), win(rank, p.slot_offset(rank)), p.slot_bytes()});
+    program.steps.push_back({Phase::kPush, std::move(batch)});
+  }
+  // Recursive doubling among rail peers, folding the nodes above the largest power of two P.
+  int P = 1;
+  while (P * 2 <= N) P *= 2;
+  const int c = 0;  // channel
+  auto peer_of = [&](int m) { return m * L + l; };
+  auto group = [&](int base, int size) {  // core nodes [base, base + size) and their extras
+    std::vector<int> nodes;
+    for (int m = base; m < base + size; ++m) nodes.push_back(m);
+    for (int m = base; m < base + size; ++m)
+      if (m + P < N) nodes.push_back(m + P);
+    return nodes;
+  };
+  const std::size_t cb = net.chunk_bytes;
+  const int in_flight = net.max_chunks_in_flight;
+  if (n >= P) {
+    const int partner = n - P;
+    for (const Piece& s : rail_chunks(layout, l, {n}, cb))
+      program.steps.push_back({Phase::kPush, NetSendOp{peer_of(partner), win(rank, s.offset), s.bytes, c}});
+    std::vector<int> others;
+    for (int m = 0; m < N; ++m)
+      if (m != n) others.push_back(m);
+    for (const Piece& r : rail_chunks(layout, l, others, cb))
+      program.steps.push_back({Phase::kPush, NetRecvOp{peer_of(partner), win(rank, r.offset), r.bytes, c}});
+  } else {
+    if (n + P < N)
+      for (const Piece& r : rail_chunks(layout, l, {n + P}, cb))
+        program.steps.push_back({Phase::kPush, NetRecvOp{peer_of(n + P), win(rank, r.offset), r.bytes, c}});
+    for (int size = 1; size < P; size *= 2) {
+      const int partner = n ^ size;
+      add_exchange(program, peer_of(partner), rail_chunks(layout, l, group(n / size * size, size), cb),
+                   rail_chunks(layout, l, group(partner / size * size, size), cb), in_flight, c);
+    }
+    if (n + P < N) {
+      std::vector<int> others;
+      for (int m = 0; m < N; ++m)
+        if (m != n + P) others.push_back(m);
+      for (const Piece& s : rail_chunks(layout, l, others, cb))
+        program.steps.push_back({Phase::kPush, NetSendOp{peer_of(n + P), win(rank, s.offset), s.bytes, c}});
+    }
+  }
+  // Forward the rail's shards from the other nodes to local peers, then data-ready.
+  for (int q : locals) {
+    CopyBatch batch;
+    for (int m = 0; m < N; ++m)
+      if (m != n)
+        for (const ParamLayout& p : params)
+          batch.copies.push_back({win(q, p.slot_offset(peer_of(m))), win(rank, p.slot_offset(peer_of(m))),
+                                  p.slot_bytes()});
+    program.steps.push_back({Phase::kPush, std::move(batch)});
+    program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
+  }
+  for (int q : locals) program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
+  return program;
+}
+
+Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
+                            uint32_t bucket, const NetOptions& net) {
+  const Topology& t = layout.topology();
+  if (t.nodes <= 1) return detail::plan_reduce_scatter_one_node(layout, rank, options, bucket);
+  check_net(net, "plan_reduce_scatter");
+  detail::check_reduce_options(layout, options);
+  Program program =
+      empty_net_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");
+  const auto& params = layout.params();
+  const int N = t.nodes, L = t.local, n = t.node_of(rank), l = t.local_rank_of(rank);
+  const std::size_t base = round_up(layout.window_bytes(), kStagingAlign);
+  program.window_bytes = base + rs_staging_bytes(layout, net);
+  const int64_t chunk_elems = rs_chunk_elems(layout, net);
+  const std::size_t cb = round_up(chunk_elems * 4, kStagingAlign);
+  const std::size_t R = base, T = base + cb;
+  auto S = [&](int j) { return base + (2 + j) * cb; };
+
+  // Phase 1: chunks destined to rail q go to local rank q's slot(i, m * L + l), m = every node.
+  const std::vector<int> locals = local_peers(t, rank);
+  for (int q : locals) program.steps.push_back({Phase::kSlotFree, SignalOp{q, FlagKind::kSlotFree}});
+  for (int q : locals) {
+    const int lq = t.local_rank_of(q);
+    program.steps.push_back({Phase::kSlotFree, WaitOp{q, FlagKind::kSlotFree}});
+    CopyBatch batch;
+    for (int m = 0; m < N; ++m)
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        const ParamLayout& p = params[i];
+        const int dest = m * L + lq;
+        const int64_t cnt = p.valid_numel(dest);
+        if (cnt == 0) continue;
+        batch.copies.push_back({win(q, p.slot_offset(m * L + l)),
+                                {Space::kInput, static_cast<int>(i), dest * p.slot_bytes()},
+                                static_cast<std::size_t>(cnt) * p.elem_size});
+      }
+    if (!batch.copies.empty()) program.steps.push_back({Phase::kPush, std::move(batch)});
+    program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
+  }
+  for (int q : locals) program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
+
+  // Phase 2: ring over rail peers, chunk by chunk. Block b = the chunk destined to rank b * L + l.
+  const int next = ((n + 1) % N) * L + l, prev = ((n + N - 1) % N) * L + l;
+  const float scale = options.kind == ReduceKind::kAvg
+                          ? options.postscale / static_cast<float>(layout.world())
+                          : options.postscale;
+  auto local_reduce = [&](int i, int b, int64_t e0, int64_t cnt, std::size_t dst) {
+    const ParamLayout& p = params[i];
+    ReduceOp op{i, {}, win(rank, dst), cnt, p.dtype, DType::kFP32, options.prescale, 1.0f, false};
+    for (int q = 0; q < L; ++q)
+      op.sources.push_back(q == l ? Address{Space::kInput, i, (b * L + l) * p.slot_bytes() + e0 * p.elem_size}
+                                  : win(rank, p.slot_offset(b * L + q) + e0 * p.elem_size));
+    program.steps.push_back({Phase::kReduce, std::move(op)});
+  };
+  int sent = 0;
+  const int ch = 1;
+  for (std::size_t ii = 0; ii < params.size(); ++ii) {
+    const int i = static_cast<int>(ii);
+    const ParamLayout& p = params[ii];
+    for (int64_t e0 = 0; e0 < p.shard_numel; e0 += chunk_elems) {
+      auto count_for = [&](int b) {
+        return std::clamp<int64_t>(p.valid_numel(b * L + l) - e0, 0, chunk_elems);
+      };
+      for (int step = 0; step < N; ++step) {
+        const int b = ((n - step - 1) % N + N) % N;
+        const int64_t cnt = count_for(b);
+        if (cnt == 0) continue;
+        const std::size_t bytes = static_cast<std::size_t>(cnt) * 4;
+        if (step == 0) {
+          const std::size_t s = S(sent++ % net.ring_depth);
+          local_reduce(i, b, e0, cnt, s);
+          program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
+          continue;
+        }
+        program.steps.push_back({Phase::kPush, NetRecvOp{prev, win(rank, R), bytes, ch}});
+        local_reduce(i, b, e0, cnt, T);
+        if (step < N - 1) {
+          const std::size_t s = S(sent++ % net.ring_depth);
+          program.steps.push_back({Phase::kReduce,
+                                   ReduceOp{i, {win(rank, R), win(rank, T)}, win(rank, s), cnt,
+                                            DType::kFP32, DType::kFP32, 1.0f, 1.0f, false}});
+          program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
+        } else {
+          program.steps.push_back(
+              {Phase::kReduce,
+               ReduceOp{i, {win(rank, R), win(rank, T)},
+                        {Space::kOutput, i, static_cast<std::size_t>(e0) * dtype_size(p.shard_dtype)},
+                        cnt, DType::kFP32, p.shard_dtype, 1.0f, scale, options.accumulate}});
+        }
+      }
+    }
+  }
+  return program;
+}
+
+}  // namespace tide

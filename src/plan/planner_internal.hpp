@@ -1,0 +1,13 @@
+// Planner pieces shared between the single-node and the multi-node planners.
+#pragma once
+
+#include "tide/plan.hpp"
+
+namespace tide::detail {
+
+void check_reduce_options(const BucketLayout& layout, const ReduceOptions& options);
+Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket);
+Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
+                                     const ReduceOptions& options, uint32_t bucket);
+
+}  // namespace tide::detail

@@ -1,0 +1,137 @@
+// Multi-node collectives on the host executor, ranks as threads grouped into virtual nodes; the
+// network ops run over the host network transport (shared-memory outboxes standing in for NCCL).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "test_util.hpp"
+
+namespace tide {
+namespace {
+
+struct Case {
+  Topology topology;
+  NetOptions net;
+};
+
+// AG then RS `repeats` times over one window per rank; AG bitwise, RS within 1e-6 of fp64; returns
+// every rank's RS outputs of each repeat.
+std::vector<std::vector<std::vector<std::byte>>> run_case(const BucketLayout& layout,
+                                                          const NetOptions& net, uint64_t seed,
+                                                          int repeats) {
+  const int world = layout.world();
+  const ReduceOptions o{};
+  std::vector<std::vector<std::vector<std::byte>>> outs(world);
+  std::size_t bytes = 0;
+  for (int r = 0; r < world; ++r) {
+    bytes = std::max(bytes, plan_reduce_scatter(layout, r, o, 1, net).window_bytes);
+    bytes = std::max(bytes, plan_all_gather(layout, r, 1, net).window_bytes);
+  }
+  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+    auto window = HostWindow::create(bootstrap, bytes);
+    HostExecutor executor(*window, std::chrono::milliseconds(20000));
+    const Program ag = plan_all_gather(layout, rank, 1, net);
+    const Program rs = plan_reduce_scatter(layout, rank, o, 1, net);
+    test::RankBuffers agb(layout, Collective::kAllGather, rank, seed);
+    test::RankBuffers rsb(layout, Collective::kReduceScatter, rank, seed);
+    for (int rep = 0; rep < repeats; ++rep) {
+      std::memset(window->data(rank), 0xA5, layout.window_bytes());
+      executor.run(ag, agb.bindings);
+      const std::string agerr = test::check_result(layout, Collective::kAllGather, rank, seed,
+                                                   window->data(rank), agb, o);
+      ASSERT_EQ(agerr, "") << layout.describe();
+      for (auto& b : rsb.outputs) std::fill(b.bytes.begin(), b.bytes.end(), std::byte{0x7F});
+      executor.run(rs, rsb.bindings);
+      const std::string rserr = test::check_result(layout, Collective::kReduceScatter, rank, seed,
+                                                   window->data(rank), rsb, o);
+      ASSERT_EQ(rserr, "") << layout.describe();
+      std::vector<std::byte> all;
+      for (auto& b : rsb.outputs) all.insert(all.end(), b.bytes.begin(), b.bytes.end());
+      outs[rank].push_back(std::move(all));
+    }
+  });
+  return outs;
+}
+
+TEST(MultinodeExec, VirtualNodesAgBitwiseRsToleranceAndReproducible) {
+  const Case cases[] = {{{2, 4}, {}}, {{4, 2}, {256, 2, 2}}, {{8, 1}, {64, 1, 1}},
+                        {{3, 2}, {128, 3, 2}}, {{3, 4}, {512, 4, 4}}, {{5, 1}, {96, 2, 3}}};
+  std::mt19937_64 rng(11);
+  for (const Case& c : cases)
+    for (int iter = 0; iter < 3; ++iter) {
+      BucketLayout layout(test::random_specs(rng, c.topology.world(), 4, 1 << 11), c.topology);
+      std::vector<Program> ag, rs;
+      for (int r = 0; r < layout.world(); ++r) {
+        ag.push_back(plan_all_gather(layout, r, 1, c.net));
+        rs.push_back(plan_reduce_scatter(layout, r, {}, 1, c.net));
+      }
+      verify_programs(layout, ag);
+      verify_programs(layout, rs);
+      const auto outs = run_case(layout, c.net, 100 + iter, 2);
+      for (int r = 0; r < layout.world(); ++r)
+        EXPECT_EQ(outs[r][0], outs[r][1]) << "RS not bitwise reproducible, rank " << r << " of "
+                                          << c.topology.nodes << "x" << c.topology.local;
+    }
+}
+
+TEST(MultinodeExec, LlamaLikeBucketFp32Within1e6) {
+  // bf16 params with fp32 masters, several chunks per param, 3 x 4 virtual nodes.
+  BucketLayout layout({{"q", {96, 40}}, {"norm", {40}}, {"up", {130, 24}}}, Topology{3, 4});
+  run_case(layout, NetOptions{1024, 4, 2}, 5, 1);
+}
+
+TEST(MultinodeExec, MissingRailPeerTimesOutNamingTheTransfer) {
+  BucketLayout layout({{"w", {16, 4}}}, Topology{2, 2});
+  const int world = 4;
+  auto rendezvous = make_thread_rendezvous(world);
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  const std::size_t bytes = plan_all_gather(layout, 0, 4, NetOptions{}).window_bytes;
+  std::vector<std::unique_ptr<HostWindow>> windows(world);
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      ThreadBootstrap boot(rendezvous, r, std::chrono::seconds(10));
+      windows[r] = HostWindow::create(boot, bytes);
+      boot.barrier();
+      if (r == 3) return;  // rank 3 (node 1) never runs the collective
+      try {
+        HostExecutor ex(*windows[r], std::chrono::milliseconds(300));
+        test::RankBuffers b(layout, Collective::kAllGather, r, 1);
+        ex.run(plan_all_gather(layout, r, 4, NetOptions{}), b.bindings);
+      } catch (const TimeoutError& e) {
+        errors[r] = e.what();
+      } catch (const std::exception& e) {
+        errors[r] = std::string("other: ") + e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  // Rank 1 (node 0, local 1) has rail peer 3: its network wait times out and says where.
+  EXPECT_NE(errors[1].find("rank 1: timed out"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("rank 3"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("bucket 4 all_gather"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("epoch 1"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("host network transport"), std::string::npos) << errors[1];
+  for (int r : {0, 2}) EXPECT_FALSE(errors[r].empty()) << r;  // everyone else fails too, bounded
+}
+
+TEST(MultinodeExec, DesyncedBucketsOnTheNetworkFail) {
+  BucketLayout layout({{"w", {16, 4}}}, Topology{2, 1});
+  std::vector<std::string> errors(2);
+  test::run_threads(2, [&](int r, Bootstrap& boot) {
+    auto window = HostWindow::create(boot, layout.window_bytes());
+    HostExecutor ex(*window, std::chrono::milliseconds(2000));
+    test::RankBuffers b(layout, Collective::kAllGather, r, 1);
+    try {
+      ex.run(plan_all_gather(layout, r, r == 0 ? 1 : 2, NetOptions{}), b.bindings);
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+  });
+  EXPECT_TRUE(errors[0].find("different orders") != std::string::npos ||
+              errors[1].find("different orders") != std::string::npos)
+      << errors[0] << "\n" << errors[1];
+}
+
+}  // namespace
+}  // namespace tide
