@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 
+#include "process_util.hpp"
 #include "test_util.hpp"
 
 namespace tide {
@@ -131,6 +132,63 @@ TEST(MultinodeExec, DesyncedBucketsOnTheNetworkFail) {
   EXPECT_TRUE(errors[0].find("different orders") != std::string::npos ||
               errors[1].find("different orders") != std::string::npos)
       << errors[0] << "\n" << errors[1];
+}
+
+// Ranks as processes (virtual nodes across processes): the outboxes and futex wake-ups of the host
+// network transport work between address spaces; a rail peer that dies is noticed at once.
+std::string process_step(const BucketLayout& layout, int rank, HostExecutor& executor,
+                         HostWindow& window, uint64_t seed, const NetOptions& net) {
+  for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
+    test::RankBuffers b(layout, c, rank, seed);
+    const Program p = c == Collective::kAllGather ? plan_all_gather(layout, rank, 1, net)
+                                                  : plan_reduce_scatter(layout, rank, {}, 1, net);
+    executor.run(p, b.bindings);
+    const std::string err = test::check_result(layout, c, rank, seed, window.data(rank), b);
+    if (!err.empty()) return err;
+  }
+  return "ok";
+}
+
+TEST(MultinodeExec, VirtualNodesAsProcesses) {
+  for (const Topology t : {Topology{2, 2}, Topology{3, 1}}) {
+    const int world = t.world();
+    const test::ProcessRun run = test::run_processes(world, [&](int rank, Bootstrap& bootstrap,
+                                                                const std::string&) {
+      std::mt19937_64 rng(77 + world);  // same layouts on every rank
+      auto window = HostWindow::create(bootstrap, 1 << 20);
+      HostExecutor executor(*window, std::chrono::milliseconds(20000));
+      for (int n = 0; n < 5; ++n) {
+        BucketLayout layout(test::random_specs(rng, world, 4, 1 << 12), t);
+        const std::string r = process_step(layout, rank, executor, *window, n, NetOptions{256, 2, 2});
+        if (r != "ok") return r;
+      }
+      return std::string("ok");
+    });
+    for (int r = 0; r < world; ++r) EXPECT_EQ(run.reports[r], "ok") << "rank " << r;
+    EXPECT_EQ(test::shm_segments_of(run.pids), std::set<std::string>{});
+  }
+}
+
+TEST(MultinodeExec, DeadRailPeerIsNoticedByTheNetworkWait) {
+  const Topology t{2, 2};
+  BucketLayout layout({{"w", {64, 16}}}, t);
+  const test::ProcessRun run = test::run_processes(4, [&](int rank, Bootstrap& bootstrap,
+                                                          const std::string&) {
+    auto window = HostWindow::create(bootstrap, 1 << 16);
+    HostExecutor executor(*window, std::chrono::milliseconds(5000));
+    std::string r = process_step(layout, rank, executor, *window, 1, NetOptions{});
+    if (r != "ok") return r;
+    if (rank == 3) ::kill(::getpid(), SIGKILL);  // dies between collectives
+    return process_step(layout, rank, executor, *window, 2, NetOptions{});
+  });
+  // Rank 1 is rank 3's rail peer: it waits for rank 3 in the network part of the all-gather.
+  const std::string& m = run.reports[1];
+  EXPECT_EQ(m.rfind("TimeoutError: rank 1: ", 0), 0u) << m;
+  EXPECT_NE(m.find("rank 3 (pid " + std::to_string(run.pids[3]) + ") has exited"), std::string::npos) << m;
+  EXPECT_NE(m.find("net recv"), std::string::npos) << m;
+  EXPECT_NE(m.find("(bucket 1 all_gather, phase push, epoch 3)"), std::string::npos) << m;
+  for (int r = 0; r < 3; ++r) EXPECT_NE(run.reports[r], "ok") << r;
+  EXPECT_EQ(test::shm_segments_of(run.pids), std::set<std::string>{});
 }
 
 }  // namespace
