@@ -248,6 +248,10 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
           fail(prog, s, detail::concat("reads bytes rank ", l.writer,
                                        " copied here before waiting for its data-ready"));
         if (at != offset && (l.rs || l.origin != it->first)) { ok = false; break; }
+        if (l.rs && ((at - it->first) % l.elem_size != 0 || bytes % l.elem_size != 0)) {
+          ok = false;
+          break;
+        }
         at = it->second.end;
       }
     }
@@ -257,10 +261,18 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
     first.writer = -1;
     return first;
   };
-  auto input_label = [&](int r, const Address& a, DType dtype) {
+  // Gradient bytes [a.offset, +bytes) of rank r's input: elements of one chunk (one destination).
+  auto input_label = [&](const Program& prog, std::size_t s, const Address& a, DType dtype,
+                         std::size_t bytes) {
     const ParamLayout& p = params[a.index];
     Label l;
     if (ag) return l;
+    const int r = prog.rank;
+    if (dtype != p.dtype || a.offset % p.elem_size != 0 || bytes % p.elem_size != 0 ||
+        a.offset % p.slot_bytes() + bytes > p.slot_bytes())
+      fail(prog, s, detail::concat("reads gradient bytes [", a.offset, ", ", a.offset + bytes,
+                                   ") of param ", a.index,
+                                   " that are not whole elements of one rank's chunk"));
     l.rs = true;
     l.param = a.index;
     l.dest = static_cast<int>(a.offset / p.slot_bytes());
@@ -310,7 +322,7 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                   if (outstanding_overlap(q, c.dst.offset, c.bytes))
                     fail(prog, s, detail::concat("copy overwrites bytes rank ", q, " has a send outstanding on"));
                   Label l = c.src.space == Space::kWindow ? read(prog, s, c.src.offset, c.bytes)
-                                                          : input_label(r, c.src, params[c.src.index].dtype);
+                                                          : input_label(prog, s, c.src, params[c.src.index].dtype, c.bytes);
                   if (ag && (l.rs || l.origin != c.dst.offset))
                     fail(prog, s, detail::concat("copy to rank ", q, " offset ", c.dst.offset,
                                                  " carries the bytes of offset ", l.origin));
@@ -343,7 +355,7 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                   const Address& a = op.sources[k];
                   const std::size_t bytes = op.count * dtype_size(op.src_dtype);
                   const Label l = a.space == Space::kWindow ? read(prog, s, a.offset, bytes)
-                                                            : input_label(r, a, op.src_dtype);
+                                                            : input_label(prog, s, a, op.src_dtype, bytes);
                   if (!l.rs || l.param != op.param || l.elem_size != dtype_size(op.src_dtype))
                     fail(prog, s, detail::concat("reduce source ", k, " is not param ", op.param,
                                                  "'s gradient data in ", dtype_name(op.src_dtype)));
@@ -366,6 +378,7 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                   const std::size_t bytes = op.count * acc.elem_size;
                   if (outstanding_overlap(r, op.dst.offset, bytes)) { blocked = true; return; }
                   write(mem[r], op.dst.offset, bytes, acc);
+                  note_slot_write(r, op.dst.offset, bytes);
                 } else {
                   const ParamLayout& p = params[op.param];
                   if (op.dst.index != op.param || acc.dest != r ||
@@ -399,6 +412,24 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
       throw Error(detail::concat("verify_programs: ", q.size(), " send(s) from rank ", std::get<0>(key),
                                  " to rank ", std::get<1>(key), " on channel ", std::get<2>(key),
                                  " never received"));
+
+  // Every signal is waited for exactly once (a rank that skips its data-ready wait would return
+  // before its peers' copies landed), and nobody waits for a flag nobody signals.
+  std::map<std::tuple<int, int, int>, int> n_signals, n_waits;
+  for (int r = 0; r < world; ++r)
+    for (const Step& st : programs[r].steps) {
+      if (const auto* x = std::get_if<SignalOp>(&st.op)) ++n_signals[{r, x->peer, static_cast<int>(x->kind)}];
+      if (const auto* x = std::get_if<WaitOp>(&st.op)) ++n_waits[{x->peer, r, static_cast<int>(x->kind)}];
+    }
+  for (const auto& [key, n] : n_signals)
+    if (n != 1 || n_waits[key] != 1)
+      throw Error(detail::concat("verify_programs: rank ", std::get<0>(key), " -> rank ",
+                                 std::get<1>(key), " flag ", std::get<2>(key), ": ", n,
+                                 " signal(s), ", n_waits[key], " wait(s); expected 1 and 1"));
+  for (const auto& [key, n] : n_waits)
+    if (n > 0 && !n_signals.count(key))
+      throw Error(detail::concat("verify_programs: rank ", std::get<1>(key), " waits on flag ",
+                                 std::get<2>(key), " of rank ", std::get<0>(key), " that nobody signals"));
 
   // --- Exactly once. ---
   for (int q = 0; q < world; ++q) {
