@@ -108,7 +108,7 @@ TEST_P(Desync, ARankThatRanOneExtraCollectiveIsAnErrorNotAHang) {
     const BucketLayout layout({{"w", {20, 6}}, {"n", {6}, DType::kFP32}}, Topology::single_node(world));
     std::vector<Outcome> outcomes(world);
     Outcome extra;
-    std::vector<bool> window_unchanged(world, false);
+    std::vector<char> window_unchanged(world, 0);  // not vector<bool>: ranks write it concurrently
     test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
       auto window = HostWindow::create(bootstrap, layout.window_bytes());
       HostExecutor executor(*window, kTimeout);
