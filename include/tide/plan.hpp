@@ -180,8 +180,8 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
 // nodes recursive doubling among rail peers (same local rank): at step k node n exchanges every
 // shard gathered so far with node n xor 2^k; with a node count N that is not a power of two, the
 // N - P nodes above the largest power of two P first send their shards to node n - P and finally
-// receive everything from it. Received shards land in their slots by address and are forwarded to
-// local peers by copy pushes.
+// receive everything from it. Received shards land in their slots by address and, after each step,
+// are forwarded to local peers by copy pushes (which run while the next step is on the network).
 //
 // Reduce-scatter in two phases: (1) node-local: every rank pushes its gradient chunks destined to
 // rail l (ranks m * local + l of every node m) into local rank l's vacated slots; (2) across nodes,

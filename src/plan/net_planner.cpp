@@ -153,6 +153,18 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
   };
   const std::size_t cb = net.chunk_bytes;
   const int in_flight = net.max_chunks_in_flight;
+  // Forwards the rail shards of `nodes`, just received, to every local peer (copy pushes that run
+  // while the next network step is in flight); the data-ready signals come after the last one.
+  auto forward = [&](const std::vector<int>& nodes) {
+    for (int q : locals) {
+      CopyBatch batch;
+      for (int m : nodes)
+        for (const ParamLayout& p : params)
+          batch.copies.push_back({win(q, p.slot_offset(peer_of(m))),
+                                  win(rank, p.slot_offset(peer_of(m))), p.slot_bytes()});
+      if (!batch.copies.empty()) program.steps.push_back({Phase::kPush, std::move(batch)});
+    }
+  };
   if (n >= P) {
     const int partner = n - P;
     for (const Piece& s : rail_chunks(layout, l, {n}, cb))
@@ -162,14 +174,19 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
       if (m != n) others.push_back(m);
     for (const Piece& r : rail_chunks(layout, l, others, cb))
       program.steps.push_back({Phase::kPush, NetRecvOp{peer_of(partner), win(rank, r.offset), r.bytes, c}});
+    forward(others);
   } else {
-    if (n + P < N)
+    if (n + P < N) {
       for (const Piece& r : rail_chunks(layout, l, {n + P}, cb))
         program.steps.push_back({Phase::kPush, NetRecvOp{peer_of(n + P), win(rank, r.offset), r.bytes, c}});
+      forward({n + P});
+    }
     for (int size = 1; size < P; size *= 2) {
       const int partner = n ^ size;
+      const std::vector<int> theirs = group(partner / size * size, size);
       add_exchange(program, peer_of(partner), rail_chunks(layout, l, group(n / size * size, size), cb),
-                   rail_chunks(layout, l, group(partner / size * size, size), cb), in_flight, c);
+                   rail_chunks(layout, l, theirs, cb), in_flight, c);
+      forward(theirs);
     }
     if (n + P < N) {
       std::vector<int> others;
@@ -179,17 +196,7 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
         program.steps.push_back({Phase::kPush, NetSendOp{peer_of(n + P), win(rank, s.offset), s.bytes, c}});
     }
   }
-  // Forward the rail's shards from the other nodes to local peers, then data-ready.
-  for (int q : locals) {
-    CopyBatch batch;
-    for (int m = 0; m < N; ++m)
-      if (m != n)
-        for (const ParamLayout& p : params)
-          batch.copies.push_back({win(q, p.slot_offset(peer_of(m))), win(rank, p.slot_offset(peer_of(m))),
-                                  p.slot_bytes()});
-    program.steps.push_back({Phase::kPush, std::move(batch)});
-    program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
-  }
+  for (int q : locals) program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
   for (int q : locals) program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
   return program;
 }
