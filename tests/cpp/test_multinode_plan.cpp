@@ -167,5 +167,21 @@ TEST(MultinodePlan, RejectsBadNetOptions) {
   EXPECT_THROW(plan_reduce_scatter(layout, 0, {}, 0, NetOptions{64, 1, kNetQueueDepth + 1}), InvalidArgument);
 }
 
+// Executors without a network transport (the CUDA executor: validate_run's default) reject network
+// ops before anything runs, saying so.
+TEST(MultinodePlan, ExecutorsWithoutTransportRejectNetworkOps) {
+  BucketLayout layout({{"w", {16, 4}}}, Topology{2, 2});
+  const Program p = plan_all_gather(layout, 0, 0, NetOptions{});
+  test::RankBuffers b(layout, Collective::kAllGather, 0, 1);
+  alignas(256) static std::byte window[4096];
+  try {
+    validate_run(p, b.bindings, 0, 4, sizeof window, window);
+    FAIL() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("CUDA executor"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(validate_run(p, b.bindings, 0, 4, sizeof window, window, /*net_supported=*/true));
+}
+
 }  // namespace
 }  // namespace tide
