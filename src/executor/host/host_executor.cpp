@@ -505,6 +505,7 @@ void HostExecutor::net_wait(const Program& program, std::size_t index, int peer,
   };
   const auto start = Clock::now();
   auto next_check = start + kFirstPeerCheck;
+  bool warned = !debug_;
   for (uint64_t spin = 1;; ++spin) {
     if (ready()) return;
     if ((spin & 255) != 0) continue;
@@ -529,6 +530,15 @@ void HostExecutor::net_wait(const Program& program, std::size_t index, int peer,
                                           ") has exited; stopped waiting for ", context(),
                                           "; its last state: ", ps.to_string()));
       }
+    }
+    if (!warned && now - start >= timeout_ / 2) {
+      warned = true;
+      const std::string m = detail::concat(
+          "tide debug: rank ", rank, " (pid ", identity_.pid, ") has waited half its ",
+          timeout_.count(), " ms timeout for ", context(), ". States of the group:\n",
+          describe_group());
+      std::fputs(m.c_str(), stderr);
+      std::fflush(stderr);
     }
     if (now - start > timeout_) {
       const ExecutorState ps = decode(read_raw(*window_.state(peer)), peer, identity_);
@@ -650,11 +660,11 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
         wake_sleepers(&ob->taken);
         continue;
       }
-      publisher.publish(Status::kRunning, step.phase, index);
       if (const auto* c = std::get_if<CastOp>(&step.op))
         before_write(c->dst, (c->count + c->pad) * dtype_size(c->dst_dtype), index);
       else if (const auto* r = std::get_if<ReduceOp>(&step.op))
         before_write(r->dst, r->count * dtype_size(r->dst_dtype), index);
+      publisher.publish(Status::kRunning, step.phase, index);
       if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
         for (const CopyOp& c : batch->copies)
           if (c.bytes > 0) std::memcpy(resolve(c.dst), resolve(c.src), c.bytes);
