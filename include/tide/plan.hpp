@@ -152,6 +152,10 @@ struct NetOptions {
   std::size_t chunk_bytes = std::size_t{1} << 20;  // multiple of 16, >= 16
   int max_chunks_in_flight = 4;                    // in [1, kNetQueueDepth]
   int ring_depth = 4;                              // in [1, kNetQueueDepth]
+  // Reduce-scatter phase 2 by recursive halving among rail peers instead of the ring (node counts
+  // that are powers of two; others use the ring). Same staging bytes: the staging holds one slice
+  // of every node's partial, so slices shrink as 1/nodes (log2 nodes steps instead of nodes - 1).
+  bool rs_recursive_halving = false;
 };
 
 enum class ReduceKind : uint8_t { kSum, kAvg };

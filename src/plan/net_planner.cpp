@@ -105,7 +105,11 @@ std::size_t rs_staging_bytes(const BucketLayout& layout, const NetOptions& net) 
   check_net(net, "rs_staging_bytes");
   if (layout.topology().nodes <= 1) return 0;
   const std::size_t chunk = round_up(rs_chunk_elems(layout, net) * 4, kStagingAlign);
-  return (2 + static_cast<std::size_t>(net.ring_depth)) * chunk;
+  const std::size_t ring = static_cast<std::size_t>(net.ring_depth) * chunk;
+  // Recursive halving keeps one fp32 slice (>= 1 element) per node in the ring's place.
+  const int N = layout.topology().nodes;
+  const bool halving = net.rs_recursive_halving && (N & (N - 1)) == 0;
+  return 2 * chunk + (halving ? std::max(ring, round_up(std::size_t(N) * 4, kStagingAlign)) : ring);
 }
 
 std::size_t stock_rs_buffer_bytes(const BucketLayout& layout) {
@@ -255,6 +259,73 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   };
   int sent = 0;
   const int ch = 1;
+  if (net.rs_recursive_halving && (N & (N - 1)) == 0) {
+    // Recursive halving per slice: a slice holds elements [e0, e0 + ce) of every block, one staging
+    // slot per block (ce shrinks as 1/N so the staging stays (2 + ring_depth) chunks). At step k
+    // (distance d = N >> (k + 1)) node n keeps the blocks whose bit d matches its own and sends the
+    // others' partial sums to node n ^ d; after log2 N steps it holds its own block's full sum.
+    const std::size_t acc_base = base + 2 * cb;
+    const int64_t ce = std::max<int64_t>(
+        1, std::min<int64_t>(static_cast<int64_t>(cb / 4),
+                             static_cast<int64_t>(net.ring_depth * cb / 4) / N));
+    const std::size_t slot_stride = static_cast<std::size_t>(ce) * 4;
+    auto acc = [&](int b) { return acc_base + b * slot_stride; };
+    const int in_flight = net.max_chunks_in_flight;
+    for (std::size_t ii = 0; ii < params.size(); ++ii) {
+      const int i = static_cast<int>(ii);
+      const ParamLayout& p = params[ii];
+      for (int64_t e0 = 0; e0 < p.shard_numel; e0 += ce) {
+        auto count_for = [&](int b) {
+          return std::clamp<int64_t>(p.valid_numel(b * L + l) - e0, 0, ce);
+        };
+        std::vector<int> current;
+        for (int b = 0; b < N; ++b) current.push_back(b);
+        for (int d = N / 2, step = 0; d >= 1; d /= 2, ++step) {
+          const int partner = (n ^ d) * L + l;
+          const bool last = d == 1;
+          std::vector<int> send, keep;
+          for (int b : current)
+            if (count_for(b) > 0) ((b & d) == (n & d) ? keep : send).push_back(b);
+          auto do_send = [&](int b) {
+            if (step == 0) local_reduce(i, b, e0, count_for(b), acc(b));
+            program.steps.push_back({Phase::kPush, NetSendOp{partner, win(rank, acc(b)),
+                                                             static_cast<std::size_t>(count_for(b)) * 4, ch}});
+          };
+          auto do_recv = [&](int b) {
+            const int64_t cnt = count_for(b);
+            program.steps.push_back({Phase::kPush, NetRecvOp{partner, win(rank, R),
+                                                             static_cast<std::size_t>(cnt) * 4, ch}});
+            std::vector<Address> sources;
+            if (step == 0) {
+              local_reduce(i, b, e0, cnt, T);
+              sources = {win(rank, R), win(rank, T)};
+            } else {
+              sources = {win(rank, acc(b)), win(rank, R)};
+            }
+            const Address dst = last ? Address{Space::kOutput, i,
+                                               static_cast<std::size_t>(e0) * dtype_size(p.shard_dtype)}
+                                     : win(rank, acc(b));
+            program.steps.push_back(
+                {Phase::kReduce, ReduceOp{i, sources, dst, cnt, DType::kFP32,
+                                          last ? p.shard_dtype : DType::kFP32, 1.0f,
+                                          last ? scale : 1.0f, last && options.accumulate}});
+          };
+          std::size_t si = 0;
+          for (; si < send.size() && si < static_cast<std::size_t>(in_flight); ++si) do_send(send[si]);
+          for (int b : keep) {
+            do_recv(b);
+            if (si < send.size()) do_send(send[si++]);
+          }
+          for (; si < send.size(); ++si) do_send(send[si]);
+          std::vector<int> next_current;
+          for (int b : current)
+            if ((b & d) == (n & d)) next_current.push_back(b);
+          current = std::move(next_current);
+        }
+      }
+    }
+    return program;
+  }
   for (std::size_t ii = 0; ii < params.size(); ++ii) {
     const int i = static_cast<int>(ii);
     const ParamLayout& p = params[ii];

@@ -58,7 +58,9 @@ std::vector<std::vector<std::vector<std::byte>>> run_case(const BucketLayout& la
 
 TEST(MultinodeExec, VirtualNodesAgBitwiseRsToleranceAndReproducible) {
   const Case cases[] = {{{2, 4}, {}}, {{4, 2}, {256, 2, 2}}, {{8, 1}, {64, 1, 1}},
-                        {{3, 2}, {128, 3, 2}}, {{3, 4}, {512, 4, 4}}, {{5, 1}, {96, 2, 3}}};
+                        {{3, 2}, {128, 3, 2}}, {{3, 4}, {512, 4, 4}}, {{5, 1}, {96, 2, 3}},
+                        // reduce-scatter phase 2 by recursive halving (power-of-two node counts)
+                        {{2, 4}, {64, 2, 2, true}}, {{4, 2}, {256, 3, 1, true}}, {{8, 1}, {128, 1, 4, true}}};
   std::mt19937_64 rng(11);
   for (const Case& c : cases)
     for (int iter = 0; iter < 3; ++iter) {
@@ -183,13 +185,14 @@ void corrupt(std::mt19937_64& rng, std::vector<Program>& set) {
 TEST(MultinodeExec, VerifierAcceptsOnlySetsThatRunRight) {
   const char* env = std::getenv("TIDE_FUZZ_SEED");  // scripts/soak.sh-style reruns with a fresh seed
   std::mt19937_64 rng(env ? std::strtoull(env, nullptr, 10) : 4242);
-  const Topology topologies[] = {{2, 2}, {3, 1}, {2, 3}, {3, 2}};
+  const Topology topologies[] = {{2, 2}, {3, 1}, {2, 3}, {3, 2}, {4, 1}};
   int accepted = 0, ran = 0, cases = 0;
   for (int i = 0; i < 3000; ++i, ++cases) {
-    const Topology t = topologies[i % 4];
+    const Topology t = topologies[i % 5];
     BucketLayout layout(test::random_specs(rng, t.world(), 3, 1 << 9), t);
     const Collective c = i % 2 ? Collective::kAllGather : Collective::kReduceScatter;
-    const NetOptions net{64, static_cast<int>(1 + rng() % 3), static_cast<int>(1 + rng() % 3)};
+    const NetOptions net{64, static_cast<int>(1 + rng() % 3), static_cast<int>(1 + rng() % 3),
+                         rng() % 2 == 0};
     std::vector<Program> set;
     for (int r = 0; r < t.world(); ++r)
       set.push_back(c == Collective::kAllGather ? plan_all_gather(layout, r, 2, net)

@@ -23,12 +23,13 @@ std::vector<Program> plans(const BucketLayout& layout, Collective c, const NetOp
 
 TEST(MultinodePlan, VerifiesRandomBucketsOnEveryTopology) {
   std::mt19937_64 rng(2026);
-  const NetOptions nets[] = {{}, {256, 1, 1}, {64, 2, 3}, {1024, 16, 16}};
+  const NetOptions nets[] = {{},           {256, 1, 1},       {64, 2, 3},       {1024, 16, 16},
+                             {64, 2, 3, true}, {256, 1, 1, true}};  // RS by recursive halving
   int checked = 0;
   for (const Topology& t : kTopologies)
     for (int iter = 0; iter < 40; ++iter) {
       BucketLayout layout(test::random_specs(rng, t.world(), 4, 1 << 12), t);
-      const NetOptions& net = nets[iter % 4];
+      const NetOptions& net = nets[iter % 6];
       for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
         const auto set = plans(layout, c, net);
         ASSERT_NO_THROW(verify_programs(layout, set))
@@ -145,6 +146,11 @@ TEST(MultinodePlan, StagingIsConstantInW) {
   for (int w : {16, 32, 64}) {
     const BucketLayout layout = fixed_output_layout(Topology{w / 8, 8});
     const std::size_t tide = rs_staging_bytes(layout, net);
+    NetOptions halving = net;
+    halving.rs_recursive_halving = true;
+    EXPECT_EQ(rs_staging_bytes(layout, halving), tide) << "W = " << w;
+    EXPECT_EQ(plan_reduce_scatter(layout, 0, {}, 0, halving).window_bytes,
+              plan_reduce_scatter(layout, 0, {}, 0, net).window_bytes);
     const std::size_t stock = stock_rs_buffer_bytes(layout);
     std::size_t shard_fp32 = 0;
     for (const ParamLayout& p : layout.params()) shard_fp32 += p.shard_numel * 4;
