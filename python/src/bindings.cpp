@@ -160,9 +160,14 @@ NB_MODULE(_tide, m) {
       .def("bytes_pushed", &Program::bytes_pushed)
       .def("to_string", &Program::to_string)
       .def("__str__", &Program::to_string);
-  m.def("plan_all_gather", &plan_all_gather, "layout"_a, "rank"_a, "bucket"_a = 0);
-  m.def("plan_reduce_scatter", &plan_reduce_scatter, "layout"_a, "rank"_a,
-        "options"_a = ReduceOptions{}, "bucket"_a = 0);
+  m.def("plan_all_gather",
+        [](const BucketLayout& l, int rank, uint32_t bucket) { return plan_all_gather(l, rank, bucket); },
+        "layout"_a, "rank"_a, "bucket"_a = 0);
+  m.def("plan_reduce_scatter",
+        [](const BucketLayout& l, int rank, const ReduceOptions& o, uint32_t bucket) {
+          return plan_reduce_scatter(l, rank, o, bucket);
+        },
+        "layout"_a, "rank"_a, "options"_a = ReduceOptions{}, "bucket"_a = 0);
   m.def("verify_programs", &verify_programs, "layout"_a, "programs"_a);
   m.def("default_timeout_ms", [] { return default_timeout().count(); });
 
