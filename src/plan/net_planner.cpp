@@ -76,22 +76,6 @@ void add_exchange(Program& program, int peer, const std::vector<Piece>& sends,
         {Phase::kPush, NetSendOp{peer, win(rank, sends[s].offset), sends[s].bytes, channel}});
 }
 
-Program empty_net_program(Collective c, const BucketLayout& layout, int rank, uint32_t bucket,
-                          const char* where) {
-  TIDE_CHECK_ARG(rank >= 0 && rank < layout.world(), where, "rank", rank,
-                 detail::concat("in [0, ", layout.world(), ")"));
-  TIDE_CHECK_ARG(bucket < (1u << 31), where, "bucket", bucket, "< 2^31");
-  Program program;
-  program.collective = c;
-  program.rank = rank;
-  program.world = layout.world();
-  program.bucket = bucket;
-  program.num_params = static_cast<int>(layout.num_params());
-  program.window_bytes = layout.window_bytes();
-  program.alignment = layout.alignment();
-  return program;
-}
-
 // Elements of one fp32 staging chunk, and its bytes in the window (rounded up to 256 B).
 int64_t rs_chunk_elems(const BucketLayout& layout, const NetOptions& net) {
   int64_t max_shard = 1;
@@ -123,7 +107,7 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
   const Topology& t = layout.topology();
   if (t.nodes <= 1) return detail::plan_all_gather_one_node(layout, rank, bucket);
   check_net(net, "plan_all_gather");
-  Program program = empty_net_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
+  Program program = detail::empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
   const auto& params = layout.params();
   const int N = t.nodes, L = t.local, n = t.node_of(rank), l = t.local_rank_of(rank);
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -212,7 +196,7 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   check_net(net, "plan_reduce_scatter");
   detail::check_reduce_options(layout, options);
   Program program =
-      empty_net_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");
+      detail::empty_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");
   const auto& params = layout.params();
   const int N = t.nodes, L = t.local, n = t.node_of(rank), l = t.local_rank_of(rank);
   const std::size_t base = round_up(layout.window_bytes(), kStagingAlign);

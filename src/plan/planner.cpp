@@ -7,10 +7,9 @@
 #include "planner_internal.hpp"
 
 namespace tide {
-namespace {
 
-Program empty_program(Collective collective, const BucketLayout& layout, int rank,
-                      uint32_t bucket, const char* where) {
+Program detail::empty_program(Collective collective, const BucketLayout& layout, int rank,
+                              uint32_t bucket, const char* where) {
   TIDE_CHECK_ARG(rank >= 0 && rank < layout.world(), where, "rank", rank,
                  detail::concat("in [0, ", layout.world(), ")"));
   TIDE_CHECK_ARG(bucket < (1u << 31), where, "bucket", bucket, "< 2^31");
@@ -24,6 +23,8 @@ Program empty_program(Collective collective, const BucketLayout& layout, int ran
   program.alignment = layout.alignment();
   return program;
 }
+
+namespace {
 
 // Peers in staggered order rank+1, rank+2, ...: at any moment each rank pushes to a different peer,
 // so no window receives from everyone at once.
@@ -81,7 +82,7 @@ void check_reduce_options(const BucketLayout& layout, const ReduceOptions& optio
 }
 
 Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket) {
-  Program program = empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
+  Program program = detail::empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
   const auto& params = layout.params();
   for (std::size_t i = 0; i < params.size(); ++i) {
     const ParamLayout& p = params[i];
@@ -106,7 +107,7 @@ Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t 
 Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
                                      const ReduceOptions& options, uint32_t bucket) {
   Program program =
-      empty_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");
+      detail::empty_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");
   check_reduce_options(layout, options);
   const auto& params = layout.params();
   const std::vector<int> peers = staggered_peers(rank, layout.world());
