@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tide/dtype.hpp"
@@ -81,6 +82,9 @@ class BucketLayout {
   std::size_t num_params() const { return params_.size(); }
   // Bytes of data in one rank's window (a multiple of the alignment).
   std::size_t window_bytes() const { return window_bytes_; }
+  // The (param, slot) a window byte offset falls in, or {-1, -1} in alignment padding or past the
+  // last param.
+  std::pair<int, int> locate(std::size_t offset) const;
   // One line per param: name, shape, dtype, c, S, offset, bytes.
   std::string describe() const;
 

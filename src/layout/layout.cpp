@@ -98,6 +98,16 @@ const ParamLayout& BucketLayout::param(std::size_t i) const {
   return params_[i];
 }
 
+std::pair<int, int> BucketLayout::locate(std::size_t offset) const {
+  const auto it = std::upper_bound(params_.begin(), params_.end(), offset,
+                                   [](std::size_t o, const ParamLayout& p) { return o < p.window_offset; });
+  if (it == params_.begin()) return {-1, -1};
+  const int i = static_cast<int>(it - params_.begin()) - 1;
+  const std::size_t rel = offset - params_[i].window_offset;
+  if (rel >= world() * params_[i].slot_bytes()) return {-1, -1};
+  return {i, static_cast<int>(rel / params_[i].slot_bytes())};
+}
+
 std::string BucketLayout::describe() const {
   std::ostringstream os;
   os << "bucket: " << params_.size() << " params, W = " << world() << " (" << topology_.nodes

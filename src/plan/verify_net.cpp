@@ -90,16 +90,7 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
   const bool ag = collective == Collective::kAllGather;
   const auto& params = layout.params();
   const int num_params = static_cast<int>(params.size());
-  std::vector<std::size_t> starts;
-  for (const ParamLayout& p : params) starts.push_back(p.window_offset);
-  auto locate = [&](std::size_t offset) -> std::pair<int, int> {  // (param, slot) or (-1, -1)
-    const auto it = std::upper_bound(starts.begin(), starts.end(), offset);
-    if (it == starts.begin()) return {-1, -1};
-    const int i = static_cast<int>(it - starts.begin()) - 1;
-    const std::size_t rel = offset - params[i].window_offset;
-    if (rel >= world * params[i].slot_bytes()) return {-1, -1};
-    return {i, static_cast<int>(rel / params[i].slot_bytes())};
-  };
+  auto locate = [&](std::size_t offset) { return layout.locate(offset); };
 
   // --- Static, per program: header, bounds, dtypes, peers, program-order rules. ---
   for (int r = 0; r < world; ++r) {

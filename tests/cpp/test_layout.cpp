@@ -81,3 +81,22 @@ TEST(Layout, DescribeNamesEveryParam) {
 
 }  // namespace
 }  // namespace tide
+
+namespace tide {
+namespace {
+
+TEST(Layout, LocateFindsParamAndSlotOfEveryWindowByte) {
+  BucketLayout layout({{"a", {10, 3}}, {"b", {5}, DType::kFP32}}, Topology::single_node(4));
+  for (std::size_t offset = 0; offset < layout.window_bytes() + 8; ++offset) {
+    std::pair<int, int> expect{-1, -1};
+    for (int i = 0; i < 2; ++i)
+      for (int r = 0; r < 4; ++r)
+        if (offset >= layout.param(i).slot_offset(r) &&
+            offset < layout.param(i).slot_offset(r) + layout.param(i).slot_bytes())
+          expect = {i, r};
+    ASSERT_EQ(layout.locate(offset), expect) << "offset " << offset;
+  }
+}
+
+}  // namespace
+}  // namespace tide

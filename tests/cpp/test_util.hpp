@@ -14,9 +14,21 @@ namespace tide::test {
 
 // A random bucket: shapes include 0-d, 1-d, d0 = 1, d0 < W, d0 not divisible by W, wide rows,
 // and mixed bf16 / fp16 / fp32 params (sharded masters in fp32 or in the param's own dtype).
-inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, int max_params = 6,
-                                           int64_t max_numel = 1 << 16) {
-  std::uniform_int_distribution<int> n_params(1, max_params);
+// How large a random bucket may be; the GPU tests ask for longer rows and more wide ones, which
+// reach the kernels' 16-byte vector paths.
+struct BucketShape {
+  int max_params = 6;
+  int64_t max_numel = 1 << 16;   // per param
+  int64_t max_row_multiple = 4;  // d0 = W * [1, this] in the "multiple of W" case
+  int64_t extra_rows = 40;       // d0 in [1, 3W + this] in the general case
+  int wide_one_in = 10;          // a trailing dim is wide with probability 1/this
+  int64_t wide_min = 512;        // wide dims in [wide_min, 4096]
+  int64_t narrow_max = 24;       // other dims in [1, narrow_max]
+};
+
+inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, const BucketShape& b) {
+  std::uniform_int_distribution<int> n_params(1, b.max_params);
+  const int64_t max_numel = b.max_numel;
   std::vector<ParamSpec> specs(n_params(rng));
   for (std::size_t i = 0; i < specs.size(); ++i) {
     ParamSpec& s = specs[i];
@@ -26,15 +38,15 @@ inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, int 
     switch (std::uniform_int_distribution<int>(0, 4)(rng)) {
       case 0: d0 = 1; break;
       case 1: d0 = std::uniform_int_distribution<int64_t>(1, std::max(1, world - 1))(rng); break;
-      case 2: d0 = world * std::uniform_int_distribution<int64_t>(1, 4)(rng); break;
-      default: d0 = std::uniform_int_distribution<int64_t>(1, 3 * world + 40)(rng);
+      case 2: d0 = world * std::uniform_int_distribution<int64_t>(1, b.max_row_multiple)(rng); break;
+      default: d0 = std::uniform_int_distribution<int64_t>(1, 3 * world + b.extra_rows)(rng);
     }
     if (ndim > 0) s.shape.push_back(d0);
     int64_t numel = ndim > 0 ? d0 : 1;
     for (int k = 1; k < ndim; ++k) {
-      const bool wide = std::uniform_int_distribution<int>(0, 9)(rng) == 0;
-      int64_t d = wide ? std::uniform_int_distribution<int64_t>(512, 4096)(rng)
-                       : std::uniform_int_distribution<int64_t>(1, 24)(rng);
+      const bool wide = std::uniform_int_distribution<int>(0, b.wide_one_in - 1)(rng) == 0;
+      int64_t d = wide ? std::uniform_int_distribution<int64_t>(b.wide_min, 4096)(rng)
+                       : std::uniform_int_distribution<int64_t>(1, b.narrow_max)(rng);
       d = std::max<int64_t>(1, std::min<int64_t>(d, max_numel / numel));
       s.shape.push_back(d);
       numel *= d;
@@ -44,6 +56,11 @@ inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, int 
     s.shard_dtype = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? s.dtype : DType::kFP32;
   }
   return specs;
+}
+
+inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, int max_params = 6,
+                                           int64_t max_numel = 1 << 16) {
+  return random_specs(rng, world, BucketShape{max_params, max_numel});
 }
 
 // Deterministic values in [-1, 1) from (seed, param, rank, element): every rank can compute every

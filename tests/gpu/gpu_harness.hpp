@@ -23,6 +23,7 @@
 
 #include "tide/cuda.hpp"
 #include "tide/tide.hpp"
+#include "test_util.hpp"
 
 // Visible in the test log: CI (no GPU) must show why nothing ran.
 #define TIDE_REQUIRE_GPU()                                                                  \
@@ -173,38 +174,12 @@ inline std::vector<std::byte> make_values(DType dtype, int64_t n, uint64_t seed,
   return bytes;
 }
 
-// A random bucket: 0-d, 1-d, d0 = 1, d0 < W, d0 not a multiple of W, wide rows; bf16/fp16/fp32
-// params with fp32 or same-type masters.
+// A random bucket (tests/cpp/test_util.hpp), with longer and more often wide rows than the host
+// tests use, so the kernels' vector, scalar and tail paths all run.
 inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, int max_params = 6,
                                            int64_t max_numel = 1 << 16) {
-  std::uniform_int_distribution<int> n_params(1, max_params);
-  std::vector<ParamSpec> specs(n_params(rng));
-  for (std::size_t i = 0; i < specs.size(); ++i) {
-    ParamSpec& s = specs[i];
-    s.name = "p" + std::to_string(i);
-    const int ndim = std::uniform_int_distribution<int>(0, 3)(rng);
-    int64_t d0 = 1;
-    switch (std::uniform_int_distribution<int>(0, 4)(rng)) {
-      case 0: d0 = 1; break;
-      case 1: d0 = std::uniform_int_distribution<int64_t>(1, std::max(1, world - 1))(rng); break;
-      case 2: d0 = world * std::uniform_int_distribution<int64_t>(1, 64)(rng); break;
-      default: d0 = std::uniform_int_distribution<int64_t>(1, 3 * world + 300)(rng);
-    }
-    int64_t numel = 1;
-    if (ndim > 0) s.shape.push_back(d0), numel = d0;
-    for (int k = 1; k < ndim; ++k) {
-      const bool wide = std::uniform_int_distribution<int>(0, 3)(rng) == 0;
-      int64_t d = wide ? std::uniform_int_distribution<int64_t>(256, 4096)(rng)
-                       : std::uniform_int_distribution<int64_t>(1, 40)(rng);
-      d = std::max<int64_t>(1, std::min<int64_t>(d, max_numel / numel));
-      s.shape.push_back(d);
-      numel *= d;
-    }
-    const DType dtypes[] = {DType::kBF16, DType::kBF16, DType::kFP16, DType::kFP32};
-    s.dtype = dtypes[std::uniform_int_distribution<int>(0, 3)(rng)];
-    s.shard_dtype = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? s.dtype : DType::kFP32;
-  }
-  return specs;
+  return test::random_specs(rng, world,
+                            test::BucketShape{max_params, max_numel, 64, 300, 4, 256, 40});
 }
 
 // ---- Scenarios. ------------------------------------------------------------------------------
