@@ -155,6 +155,7 @@ struct NetOptions {
   // Reduce-scatter phase 2 by recursive halving among rail peers instead of the ring (node counts
   // that are powers of two; others use the ring). Same staging bytes: the staging holds one slice
   // of every node's partial, so slices shrink as 1/nodes (log2 nodes steps instead of nodes - 1).
+  // Halving exchanges slices pairwise (one send, then one receive), whatever max_chunks_in_flight.
   bool rs_recursive_halving = false;
 };
 

@@ -254,7 +254,6 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
                              static_cast<int64_t>(net.ring_depth * cb / 4) / N));
     const std::size_t slot_stride = static_cast<std::size_t>(ce) * 4;
     auto acc = [&](int b) { return acc_base + b * slot_stride; };
-    const int in_flight = net.max_chunks_in_flight;
     for (std::size_t ii = 0; ii < params.size(); ++ii) {
       const int i = static_cast<int>(ii);
       const ParamLayout& p = params[ii];
@@ -294,13 +293,12 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
                                           last ? p.shard_dtype : DType::kFP32, 1.0f,
                                           last ? scale : 1.0f, last && options.accumulate}});
           };
-          std::size_t si = 0;
-          for (; si < send.size() && si < static_cast<std::size_t>(in_flight); ++si) do_send(send[si]);
-          for (int b : keep) {
-            do_recv(b);
-            if (si < send.size()) do_send(send[si++]);
+          // Pairwise (send k, receive k): the partner mirrors it, so each pair is one exchange
+          // under group semantics too (NCCL; see executor/net/group_schedule.hpp).
+          for (std::size_t k = 0; k < std::max(send.size(), keep.size()); ++k) {
+            if (k < send.size()) do_send(send[k]);
+            if (k < keep.size()) do_recv(keep[k]);
           }
-          for (; si < send.size(); ++si) do_send(send[si]);
           std::vector<int> next_current;
           for (int b : current)
             if ((b & d) == (n & d)) next_current.push_back(b);
