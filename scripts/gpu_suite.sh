@@ -3,6 +3,7 @@
 # small case under compute-sanitizer, run the benchmarks. Logs go to $OUT (or ./gpu-out).
 #
 #   scripts/gpu_suite.sh [quick|full|tests|bench|sanitize]   (default: full)
+#   scripts/gpu_suite.sh bench <tide_bench_cuda mode> [args]   (e.g. bench compare --quick)
 #
 # Environment:
 #   TIDE_PREBUILT  a folder holding tide_gpu_tests and tide_bench_cuda built elsewhere; used when
@@ -72,6 +73,14 @@ if [[ -z "${TIDE_CUBLAS_LIB:-}" ]]; then
   [[ -n "$CUBLAS" ]] && export TIDE_CUBLAS_LIB=$CUBLAS && say "cuBLAS: $CUBLAS"
 fi
 
+# NCCL for the network transport and the baselines (loaded at run time): PyTorch's wheel ships it.
+if [[ -z "${TIDE_NCCL_LIB:-}" ]]; then
+  SITES=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null)
+  NCCL=$(find $SITES /usr/lib/x86_64-linux-gnu /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -1)
+  [[ -n "$NCCL" ]] && export TIDE_NCCL_LIB=$NCCL && say "NCCL: $NCCL"
+fi
+nvidia-smi topo -m 2>&1 | head -8 >>"$LOG"
+
 run_tests() {
   say "tide_gpu_tests"
   timeout ${TESTS_TIMEOUT:-420} "$BIN/tide_gpu_tests" --gtest_output="xml:$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
@@ -85,7 +94,7 @@ run_sanitizer() {
   # wait on each other's streams, and the sanitizer serialises work: they would deadlock.)
   # racecheck checks shared-memory hazards; the kernels use no shared memory, so memcheck is the
   # one that matters when time is short (SANITIZER_TOOLS="memcheck").
-  for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
+  for tool in ${SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
     say "compute-sanitizer --tool $tool"
     timeout ${SANITIZER_TIMEOUT:-120} compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
       "$BIN/tide_gpu_tests" --gtest_filter='CudaKernels.SingleRankCastAndReduce' \
@@ -98,8 +107,10 @@ run_sanitizer() {
 }
 
 run_bench() {
-  say "tide_bench_cuda all $*"
-  timeout ${BENCH_TIMEOUT:-560} "$BIN/tide_bench_cuda" all "$@" 2>&1 | tee "$OUT/bench.log"
+  local mode=all
+  [[ $# -gt 0 && $1 != -* ]] && mode=$1 && shift
+  say "tide_bench_cuda $mode $*"
+  timeout ${BENCH_TIMEOUT:-560} "$BIN/tide_bench_cuda" "$mode" "$@" 2>&1 | tee "$OUT/bench_$mode.log"
   local rc=${PIPESTATUS[0]}
   say "tide_bench_cuda exit $rc"
   [[ $rc == 0 ]] || status=1

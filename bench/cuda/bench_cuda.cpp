@@ -5,9 +5,16 @@
 //   tide_bench_cuda ceiling            HBM copy ceiling; reduce / cast kernel bandwidth against it
 //   tide_bench_cuda sweep  --collective ag|rs --world W [--min-mib N] [--max-mib N]
 //   tide_bench_cuda bucket --bucket llama|small --collective ag|rs --world W
+//   tide_bench_cuda compare [--bucket llama|small] [--collective ag|rs]
+//                                      >= 2 GPUs, one rank each: TIDE on one node (copy engines
+//                                      over NVLink), TIDE with every GPU its own node (NCCL
+//                                      send/recv between them) and NCCL's own collective, same buckets
 //   tide_bench_cuda interference       one-wave bf16 GEMM alone / beside TIDE-RS / beside a 16-CTA
-//                                      reduce kernel (cuBLAS loaded at run time; skipped without)
-// Options: --iters N (timed runs, >= 20; median reported), --warmup N, --quick (fewer sizes).
+//                                      reduce kernel on one GPU (ranks as threads); with >= 2 GPUs
+//                                      also one rank per GPU, beside ncclReduceScatter as well
+//                                      (cuBLAS and NCCL loaded at run time; skipped without)
+// Options: --iters N (timed runs, >= 20; median reported), --warmup N, --quick (fewer sizes),
+// --nodes N (sweep/bucket: W ranks as N nodes, NCCL between them; needs one GPU per rank).
 //
 // Times: per rank, CUDA events around each of N back-to-back runs; the median per rank; the slowest
 // rank's median reported. algbw = bytes / time, busbw = algbw * (W-1)/W (nccl-tests). SM time =
@@ -57,7 +64,7 @@ constexpr uint64_t kSeedBase = 20251130;
 
 struct Args {
   std::string mode = "all";
-  std::string collective = "ag";
+  std::string collective;  // ag | rs; "" = ag (sweep, bucket) or both (compare)
   std::string bucket = "llama";
   int world = 8;
   std::size_t min_mib = 1;
@@ -65,6 +72,7 @@ struct Args {
   int iters = 25;
   int warmup = 3;
   bool quick = false;
+  int nodes = 1;  // > 1: every rank group of W/nodes its own (virtual) node, NCCL between nodes
 };
 
 // ---- Results: tab-separated lines appended by children, printed by the parent. -------------
@@ -299,6 +307,10 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
                            const std::vector<BucketCase>& cases, const Args& args) {
   select_device(rank);
   const int world = bootstrap.world();
+  const Topology topology{args.nodes, world / args.nodes};
+  const NetOptions net;  // 1 MiB chunks, 4 in flight, ring
+  std::unique_ptr<NcclComm> network;
+  if (args.nodes > 1) network = NcclComm::create(bootstrap);
   cudaStream_t stream = nullptr;
   BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::size_t free_bytes = 0, total_bytes = 0;
@@ -309,7 +321,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
   DeviceMemory mismatches(sizeof(unsigned long long));
 
   for (const BucketCase& bc : cases) {
-    const BucketLayout layout(bc.specs, Topology::single_node(world));
+    const BucketLayout layout(bc.specs, topology);
     // Decided from the device's total memory (the same on every rank), not from free memory,
     // which changes while the other ranks allocate.
     const std::size_t need = rank_bytes(layout, collective) + (512u << 20);
@@ -321,11 +333,11 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       }
       continue;
     }
-    auto window = CudaWindow::create(bootstrap, layout.window_bytes());
     const ReduceOptions options;  // kAvg
     const Program program = collective == Collective::kAllGather
-                                ? plan_all_gather(layout, rank, 1)
-                                : plan_reduce_scatter(layout, rank, options, 2);
+                                ? plan_all_gather(layout, rank, 1, net)
+                                : plan_reduce_scatter(layout, rank, options, 2, net);
+    auto window = CudaWindow::create(bootstrap, program.window_bytes, topology);
     std::vector<DeviceMemory> inputs, outputs;
     Bindings bindings;
     for (std::size_t i = 0; i < layout.num_params(); ++i) {
@@ -350,7 +362,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     bool batched = false;
     unsigned long long wrong = 0;
     {
-      CudaExecutor executor(*window, stream);
+      CudaExecutor executor(*window, stream, default_timeout(), network.get());
       for (int w = 0; w < args.warmup; ++w) executor.run(program, bindings);
       executor.synchronize();
       bootstrap.barrier();
@@ -377,6 +389,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
         else
           launch_check_reduce_scatter(outputs[i].ptr, g, world, rank, kSeedBase, int(i),
                                       options.prescale, options.postscale / float(world),
+                                      args.nodes > 1 ? 1e-6f : 0.0f,
                                       static_cast<unsigned long long*>(mismatches.ptr), stream);
       }
       BCHECK(cudaMemcpyAsync(&wrong, mismatches.ptr, sizeof wrong, cudaMemcpyDeviceToHost, stream));
@@ -403,8 +416,14 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       r.algbw = r.bytes / (slowest * 1e-6) / 1e9;
       r.busbw = r.algbw * (world - 1) / world;
       r.sm_cta_us = sm_sum / world;
-      r.staging = collective == Collective::kReduceScatter ? double(program.bytes_pushed()) : 0.0;
-      r.note = wrong_total == 0 ? "ok (bitwise)"
+      r.staging = collective == Collective::kReduceScatter
+                      ? double(program.bytes_pushed() + rs_staging_bytes(layout, net))
+                      : 0.0;
+      if (args.nodes > 1)
+        r.label += " [" + std::to_string(topology.nodes) + "x" + std::to_string(topology.local) + " nodes, NCCL]";
+      r.note = wrong_total == 0 ? (args.nodes > 1 && collective == Collective::kReduceScatter
+                                       ? "ok (within 1e-6)"
+                                       : "ok (bitwise)")
                                 : "FAIL: " + std::to_string(wrong_total) + " wrong elements";
       if (!batched) r.note += ", copies NOT batched (cudaMemcpyAsync fallback)";
       append_row(r);
@@ -412,6 +431,105 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       std::fflush(stdout);
     }
     bootstrap.barrier();  // everyone done with the window before it is freed
+  }
+  network.reset();
+  BCHECK(cudaStreamDestroy(stream));
+}
+
+// ---- NCCL's own collectives on the same buckets (the stock FSDP2 path's communication). ------
+//
+// All-gather: ncclAllGather of the bucket's bf16 shards (rank-major, as FSDP2's flat buffer);
+// reduce-scatter: ncclReduceScatter (avg) of a full-group buffer in fp32 (FSDP2 with an fp32
+// reduce dtype) and in bf16. Bytes = the full-group buffer in its dtype (nccl-tests' size). Every
+// run is checked: samples of the result against what the inputs must give.
+void bench_nccl_rank(int rank, Bootstrap& bootstrap, Collective collective,
+                     const std::vector<BucketCase>& cases, const Args& args) {
+  select_device(rank);
+  const int world = bootstrap.world();
+  const NcclLibrary& nccl = NcclLibrary::get();
+  auto comm = NcclComm::create(bootstrap);
+  cudaStream_t stream = nullptr;
+  BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const BucketCase& bc : cases) {
+    const BucketLayout layout(bc.specs, Topology::single_node(world));
+    int64_t shard = 0;  // elements per rank (padded shards, as FSDP2's flat buffers)
+    for (const ParamLayout& p : layout.params()) shard += p.shard_numel;
+    const std::vector<DType> dtypes = collective == Collective::kAllGather
+                                          ? std::vector<DType>{DType::kBF16}
+                                          : std::vector<DType>{DType::kFP32, DType::kBF16};
+    for (DType dtype : dtypes) {
+      const std::size_t esize = dtype_size(dtype);
+      const int nccl_type = dtype == DType::kBF16 ? NcclLibrary::kBfloat16 : NcclLibrary::kFloat32;
+      const bool ag = collective == Collective::kAllGather;
+      DeviceMemory in((ag ? shard : shard * world) * esize), out((ag ? shard * world : shard) * esize);
+      const uint64_t seed = 7000 + rank;
+      cuda_kernels::launch_fill_random(in.ptr, element_type(dtype), ag ? shard : shard * world, seed,
+                                       stream);
+      auto once = [&] {
+        if (ag)
+          nccl.check(nccl.all_gather(in.ptr, out.ptr, shard, nccl_type, comm->get(), stream),
+                     "ncclAllGather");
+        else
+          nccl.check(nccl.reduce_scatter(in.ptr, out.ptr, shard, nccl_type, NcclLibrary::kAvg,
+                                         comm->get(), stream),
+                     "ncclReduceScatter");
+      };
+      for (int w = 0; w < args.warmup; ++w) once();
+      BCHECK(cudaStreamSynchronize(stream));
+      bootstrap.barrier();
+      const double median_us = median(time_each(stream, args.iters, once));
+      // Check: every 4099th element of the result (and the last).
+      std::vector<std::byte> host((ag ? shard * world : shard) * esize);
+      BCHECK(cudaMemcpy(host.data(), out.ptr, host.size(), cudaMemcpyDeviceToHost));
+      const int64_t n = static_cast<int64_t>(host.size() / esize);
+      long long wrong = 0;
+      auto rounded = [&](uint64_t sd, int64_t k) {
+        const float v = cuda_kernels::random_value(sd, k);
+        return dtype == DType::kBF16 ? bf16_to_float(float_to_bf16(v)) : v;
+      };
+      for (int64_t k = 0; k < n; k = (k + 4099 < n || k == n - 1) ? k + 4099 : n - 1) {
+        const float got = load_as_float(host.data(), dtype, static_cast<std::size_t>(k));
+        if (ag) {
+          wrong += got != rounded(7000 + k / shard, k % shard);
+        } else {
+          double sum = 0, magnitude = 0;
+          for (int r = 0; r < world; ++r) {
+            const double v = rounded(7000 + r, rank * shard + k);
+            sum += v, magnitude += std::abs(v);
+          }
+          const double tolerance = (dtype == DType::kBF16 ? 1e-2 : 1e-6) * magnitude / world;
+          wrong += !(std::abs(got - sum / world) <= tolerance);
+        }
+        if (k == n - 1) break;
+      }
+      char mine[96];
+      std::snprintf(mine, sizeof mine, "%.3f %lld", median_us, wrong);
+      const auto all = bootstrap.allgather(mine);
+      if (rank == 0) {
+        double slowest = 0;
+        long long wrong_total = 0;
+        for (const std::string& x : all) {
+          double t = 0;
+          long long w = 0;
+          std::sscanf(x.c_str(), "%lf %lld", &t, &w);
+          slowest = std::max(slowest, t), wrong_total += w;
+        }
+        Row r;
+        r.section = "collective";
+        r.label = std::string("NCCL ") + (ag ? "all_gather " : "reduce_scatter ") + dtype_name(dtype) +
+                  ": " + bc.label;
+        r.world = world;
+        r.bytes = double(shard) * world * esize;
+        r.time_us = slowest;
+        r.algbw = r.bytes / (slowest * 1e-6) / 1e9;
+        r.busbw = r.algbw * (world - 1) / world;
+        r.note = wrong_total == 0 ? "ok (sampled)" : "FAIL: " + std::to_string(wrong_total) + " wrong samples";
+        r.note += ", NCCL " + nccl.version_string() + "; SM time not measured (NCCL's own CTAs)";
+        append_row(r);
+        print_collective_row(r);
+        std::fflush(stdout);
+      }
+    }
   }
   BCHECK(cudaStreamDestroy(stream));
 }
@@ -426,6 +544,35 @@ bool run_collective(Collective collective, int world, const std::vector<BucketCa
   return fork_ranks(world, [&](int rank, Bootstrap& b) {
     bench_collective_rank(rank, b, collective, cases, args);
   });
+}
+
+// TIDE (one node: copy engines over NVLink; W nodes: NCCL between GPUs) beside NCCL's own
+// collective, on the same buckets, one GPU per rank. Needs >= 2 GPUs.
+bool run_compare(const std::vector<BucketCase>& cases, const Args& args) {
+  const int gpus = cuda_device_count();
+  if (gpus < 2) {
+    std::printf("\n# compare: needs >= 2 GPUs (one rank per GPU); this machine has %d\n", gpus);
+    append_row({"collective", "compare skipped: fewer than 2 GPUs", 0, 0, 0, 0, 0, 0, 0, ""});
+    return true;
+  }
+  const int world = std::min(gpus, 8);
+  bool ok = true;
+  for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
+    if (!args.collective.empty() && args.collective != "both" &&
+        (args.collective == "ag") != (c == Collective::kAllGather))
+      continue;
+    ok &= run_collective(c, world, cases, args);
+    Args across = args;
+    across.nodes = world;
+    std::printf("# the same, every GPU its own node (rail exchanges over NCCL send/recv)\n");
+    ok &= fork_ranks(world, [&](int rank, Bootstrap& b) {
+      bench_collective_rank(rank, b, c, cases, across);
+    });
+    std::printf("# NCCL's own %s on the same buckets\n",
+                c == Collective::kAllGather ? "ncclAllGather" : "ncclReduceScatter");
+    ok &= fork_ranks(world, [&](int rank, Bootstrap& b) { bench_nccl_rank(rank, b, c, cases, args); });
+  }
+  return ok;
 }
 
 std::vector<BucketCase> sweep_cases(const Args& args, std::size_t max_mib) {
@@ -504,7 +651,7 @@ void ceiling_child(const Args& args) {
   };
   const int full = cuda_kernels::default_max_ctas();
   reduce(0, false);
-  for (int ctas : {full, 264, 32, 16}) {
+  for (int ctas : {2 * full, full, 32, 16}) {  // full: the default grid (2 CTAs per SM)
     const double bytes = double(n) * (2 * world + 4);
     row("reduce 8x bf16 -> fp32, " + std::to_string(ctas) + " CTAs", bytes,
         time_each(stream, iters, [&] { reduce(ctas, false); }), ctas, ceiling);
@@ -565,39 +712,111 @@ struct Cublas {
   }
 };
 
-void interference_child(const Args& args) {
-  select_device(0);
+// The one-wave bf16 GEMM every interference figure is about, on its own stream.
+struct OneWaveGemm {
+  static constexpr int M = 2048, N = 1024, K = 16384;
   Cublas cublas;
-  if (!cublas.load()) {
-    std::printf("\n# Interference: skipped (libcublas.so.13 not found; set TIDE_CUBLAS_LIB)\n");
-    append_row({"interference", "skipped: cuBLAS not found", 0, 0, 0, 0, 0, 0, 0, ""});
-    return;
-  }
-  const int M = 2048, N = 1024, K = 16384;
-  cudaStream_t gemm_stream = nullptr, background = nullptr;
-  BCHECK(cudaStreamCreateWithFlags(&gemm_stream, cudaStreamNonBlocking));
-  BCHECK(cudaStreamCreateWithFlags(&background, cudaStreamNonBlocking));
-  DeviceMemory a(std::size_t{2} * M * K), b(std::size_t{2} * K * N), c(std::size_t{2} * M * N);
-  cuda_kernels::launch_fill_random(a.ptr, cuda_kernels::kBF16, int64_t{M} * K, 11, gemm_stream);
-  cuda_kernels::launch_fill_random(b.ptr, cuda_kernels::kBF16, int64_t{K} * N, 12, gemm_stream);
   void* handle = nullptr;
-  if (cublas.create(&handle) != 0) throw std::runtime_error("cublasCreate failed");
-  cublas.set_stream(handle, gemm_stream);
-  const float alpha = 1.0f, beta = 0.0f;
-  auto gemm = [&] {
+  cudaStream_t stream = nullptr;
+  DeviceMemory a, b, c;
+  double alone_us = 0;
+
+  // False (and nothing allocated) when cuBLAS cannot be loaded.
+  bool init() {
+    if (!cublas.load()) return false;
+    BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    a = DeviceMemory(std::size_t{2} * M * K), b = DeviceMemory(std::size_t{2} * K * N);
+    c = DeviceMemory(std::size_t{2} * M * N);
+    cuda_kernels::launch_fill_random(a.ptr, cuda_kernels::kBF16, int64_t{M} * K, 11, stream);
+    cuda_kernels::launch_fill_random(b.ptr, cuda_kernels::kBF16, int64_t{K} * N, 12, stream);
+    if (cublas.create(&handle) != 0) throw std::runtime_error("cublasCreate failed");
+    cublas.set_stream(handle, stream);
+    for (int w = 0; w < 10; ++w) run();
+    BCHECK(cudaStreamSynchronize(stream));
+    return true;
+  }
+  void run() {
+    const float alpha = 1.0f, beta = 0.0f;
     const int status = cublas.gemm_ex(handle, Cublas::kOpN, Cublas::kOpN, M, N, K, &alpha, a.ptr,
                                       Cublas::kR16BF, M, b.ptr, Cublas::kR16BF, K, &beta, c.ptr,
                                       Cublas::kR16BF, M, Cublas::kCompute32F, Cublas::kGemmDefault);
     if (status != 0) throw std::runtime_error("cublasGemmEx failed: status " + std::to_string(status));
-  };
-  const int iters = std::max(args.iters, 30);
-  for (int w = 0; w < 10; ++w) gemm();
-  BCHECK(cudaStreamSynchronize(gemm_stream));
-  const double alone = median(time_each(gemm_stream, iters, gemm));
-  const double tflops = 2.0 * M * N * K / (alone * 1e-6) / 1e12;
+  }
+  std::vector<double> time(int iters) { return time_each(stream, iters, [&] { run(); }); }
+  double tflops(double us) const { return 2.0 * M * N * K / (us * 1e-6) / 1e12; }
+  ~OneWaveGemm() {
+    if (handle) cublas.destroy(handle);
+  }
+};
 
-  // Background A: TIDE-RS, W=8 ranks as threads of this process (one context, so they really run
-  // beside the GEMM), a 256 MiB bf16 gradient per rank, enqueued well past the GEMMs' end.
+// Times the GEMM while `background` work, enqueued by enqueue_background() (which records
+// `done` on its stream after it), runs; returns the median and whether the background was still
+// running when the last timed GEMM ended (otherwise the figure would partly be the GEMM alone).
+std::pair<double, bool> gemm_beside(OneWaveGemm& gemm, int iters, cudaEvent_t done,
+                                    const std::function<void()>& enqueue_background) {
+  enqueue_background();
+  const auto times = gemm.time(iters);
+  cudaEvent_t gemm_done = nullptr;
+  BCHECK(cudaEventCreate(&gemm_done));
+  BCHECK(cudaEventRecord(gemm_done, gemm.stream));
+  BCHECK(cudaEventSynchronize(gemm_done));
+  BCHECK(cudaEventSynchronize(done));
+  float tail_ms = 0;
+  BCHECK(cudaEventElapsedTime(&tail_ms, gemm_done, done));
+  BCHECK(cudaEventDestroy(gemm_done));
+  return {median(times), tail_ms > 0};
+}
+
+// The 16-CTA persistent reduce kernel standing in for NCCL's: 8 bf16 sources of 32 MiB -> fp32.
+struct StandIn {
+  static constexpr int kSources = 8;
+  static constexpr int64_t kElems = int64_t{16} << 20;
+  std::vector<DeviceMemory> sources;
+  std::vector<const void*> pointers;
+  DeviceMemory out;
+  cuda_kernels::ReduceSpec spec{};
+  explicit StandIn(cudaStream_t stream) : out(kElems * 4) {
+    for (int r = 0; r < kSources; ++r) {
+      sources.emplace_back(kElems * 2);
+      cuda_kernels::launch_fill_random(sources.back().ptr, cuda_kernels::kBF16, kElems, 80 + r, stream);
+      pointers.push_back(sources.back().ptr);
+    }
+    spec = {pointers.data(), out.ptr, kElems, 1.0f, 1.0f / kSources, false, cuda_kernels::kBF16,
+            cuda_kernels::kFP32};
+  }
+  void launch(cudaStream_t stream) { cuda_kernels::launch_reduces(&spec, 1, kSources, 16, stream); }
+};
+
+void print_interference_header(const OneWaveGemm& gemm, int iters, const std::string& where) {
+  std::printf("\n# Interference%s: bf16 GEMM %dx%dx%d via cuBLAS (%s), %d timed runs each\n",
+              where.c_str(), OneWaveGemm::M, OneWaveGemm::N, OneWaveGemm::K,
+              gemm.cublas.where.c_str(), iters);
+  std::printf("%-48s %10s %9s  %s\n", "GEMM", "time(us)", "slowdown", "background");
+}
+
+void print_interference_row(const std::string& label, double us, double alone,
+                            const std::string& note) {
+  char slow[32];
+  std::snprintf(slow, sizeof slow, "%+.1f%%", 100.0 * (us / alone - 1.0));
+  std::printf("%-48s %10.1f %9s  %s\n", label.c_str(), us, slow, note.c_str());
+  std::fflush(stdout);
+  append_row({"interference", label, 0, 0, us, 0, 0, 0, 0, std::string(slow) + " " + note});
+}
+
+// One GPU: TIDE-RS with W=8 ranks as threads of this process (one context, so they really run
+// beside the GEMM; processes would be time-sliced), and the stand-in.
+void interference_one_gpu(const Args& args) {
+  select_device(0);
+  OneWaveGemm gemm;
+  if (!gemm.init()) {
+    std::printf("\n# Interference: skipped (libcublas.so.13 not found; set TIDE_CUBLAS_LIB)\n");
+    append_row({"interference", "skipped: cuBLAS not found", 0, 0, 0, 0, 0, 0, 0, ""});
+    return;
+  }
+  const int iters = std::max(args.iters, 30);
+  gemm.alone_us = median(gemm.time(iters));
+
+  // Background A: TIDE-RS, 256 MiB bf16 gradient per rank, enqueued well past the GEMMs' end.
   const int world = 8, rs_runs = 40;
   const BucketLayout layout(single_param(std::size_t{256} << 20), Topology::single_node(world));
   auto rendezvous = make_thread_rendezvous(world);
@@ -650,69 +869,171 @@ void interference_child(const Args& args) {
   ready.arrive_and_wait();
   go.count_down();
   enqueued.arrive_and_wait();
-  const auto beside_rs_times = time_each(gemm_stream, iters, gemm);
+  const auto beside_rs_times = gemm.time(iters);
   cudaEvent_t gemm_done = nullptr;
   BCHECK(cudaEventCreate(&gemm_done));
-  BCHECK(cudaEventRecord(gemm_done, gemm_stream));
+  BCHECK(cudaEventRecord(gemm_done, gemm.stream));
   for (auto& t : ranks) t.join();
   for (int r = 0; r < world; ++r)
     if (!errors[r].empty()) throw std::runtime_error("TIDE-RS rank " + std::to_string(r) + ": " + errors[r]);
   BCHECK(cudaDeviceSynchronize());
   float rs_tail_ms = 0;  // > 0: the RS streams were still busy when the last GEMM ended
   BCHECK(cudaEventElapsedTime(&rs_tail_ms, gemm_done, rs_done[0]));
-  const double beside_rs = median(beside_rs_times);
 
-  // Background B: a persistent 16-CTA reduce kernel (NCCL's reduce-scatter stand-in), 8 bf16
-  // sources of 32 MiB -> fp32, launched back to back past the GEMMs' end.
-  const int64_t n = int64_t{16} << 20;
-  std::vector<DeviceMemory> sources;
-  std::vector<const void*> source_ptrs;
-  for (int r = 0; r < world; ++r) {
-    sources.emplace_back(n * 2);
-    cuda_kernels::launch_fill_random(sources.back().ptr, cuda_kernels::kBF16, n, 80 + r, background);
-    source_ptrs.push_back(sources.back().ptr);
-  }
-  DeviceMemory reduce_out(n * 4);
-  const cuda_kernels::ReduceSpec spec{source_ptrs.data(), reduce_out.ptr, n, 1.0f, 1.0f / world,
-                                      false, cuda_kernels::kBF16, cuda_kernels::kFP32};
+  // Background B: the stand-in, launched back to back past the GEMMs' end.
+  cudaStream_t background = nullptr;
+  BCHECK(cudaStreamCreateWithFlags(&background, cudaStreamNonBlocking));
+  StandIn stand_in(background);
   BCHECK(cudaStreamSynchronize(background));
-  const double reduce16_us =
-      median(time_each(background, 5, [&] { cuda_kernels::launch_reduces(&spec, 1, world, 16, background); }));
-  const int launches = static_cast<int>(std::ceil(3.0 * iters * alone / reduce16_us)) + 4;
+  const double reduce16_us = median(time_each(background, 5, [&] { stand_in.launch(background); }));
+  const int launches = static_cast<int>(std::ceil(3.0 * iters * gemm.alone_us / reduce16_us)) + 4;
   cudaEvent_t reduce_done = nullptr;
   BCHECK(cudaEventCreate(&reduce_done));
-  for (int i = 0; i < launches; ++i) cuda_kernels::launch_reduces(&spec, 1, world, 16, background);
-  BCHECK(cudaEventRecord(reduce_done, background));
-  const auto beside_reduce_times = time_each(gemm_stream, iters, gemm);
-  BCHECK(cudaEventRecord(gemm_done, gemm_stream));
-  BCHECK(cudaDeviceSynchronize());
-  float reduce_tail_ms = 0;
-  BCHECK(cudaEventElapsedTime(&reduce_tail_ms, gemm_done, reduce_done));
-  const double beside_reduce = median(beside_reduce_times);
+  const auto [beside_reduce, reduce_overlapped] = gemm_beside(gemm, iters, reduce_done, [&] {
+    for (int i = 0; i < launches; ++i) stand_in.launch(background);
+    BCHECK(cudaEventRecord(reduce_done, background));
+  });
 
   double rs_sm = 0;
   for (double v : rs_cta_us) rs_sm += v;
-  std::printf("\n# Interference: bf16 GEMM %dx%dx%d via cuBLAS (%s), %d timed runs each\n", M, N,
-              K, cublas.where.c_str(), iters);
-  std::printf("%-44s %10s %9s  %s\n", "GEMM", "time(us)", "slowdown", "background");
-  auto print = [&](const std::string& label, double us, const std::string& note) {
-    char slow[32];
-    std::snprintf(slow, sizeof slow, "%+.1f%%", 100.0 * (us / alone - 1.0));
-    std::printf("%-44s %10.1f %9s  %s\n", label.c_str(), us, slow, note.c_str());
-    append_row({"interference", label, 0, 0, us, 0, 0, 0, 0, std::string(slow) + " " + note});
-  };
-  char note[160];
-  std::snprintf(note, sizeof note, "%.0f TFLOP/s", tflops);
-  print("alone", alone, note);
+  print_interference_header(gemm, iters, " (one GPU)");
+  char note[200];
+  std::snprintf(note, sizeof note, "%.0f TFLOP/s", gemm.tflops(gemm.alone_us));
+  print_interference_row("alone", gemm.alone_us, gemm.alone_us, note);
   std::snprintf(note, sizeof note,
-                "W=8 RS of 256 MiB/rank, reduce %.0f CTA*us per RS (all ranks); %s",
-                rs_sm, rs_tail_ms > 0 ? "overlapped" : "WARNING: RS ended before the GEMMs");
-  print("beside TIDE-RS (ranks as threads)", beside_rs, note);
+                "W=8 RS of 256 MiB/rank, reduce %.0f CTA*us per RS (all ranks); %s", rs_sm,
+                rs_tail_ms > 0 ? "overlapped" : "WARNING: RS ended before the GEMMs");
+  print_interference_row("beside TIDE-RS (8 ranks as threads, 1 GPU)", median(beside_rs_times),
+                         gemm.alone_us, note);
   std::snprintf(note, sizeof note, "%.0f us per launch = %.0f CTA*us; %s", reduce16_us,
-                16 * reduce16_us,
-                reduce_tail_ms > 0 ? "overlapped" : "WARNING: reduce ended before the GEMMs");
-  print("beside 16-CTA reduce kernel", beside_reduce, note);
-  cublas.destroy(handle);
+                16 * reduce16_us, reduce_overlapped ? "overlapped" : "WARNING: reduce ended before the GEMMs");
+  print_interference_row("beside 16-CTA reduce kernel", beside_reduce, gemm.alone_us, note);
+  BCHECK(cudaStreamDestroy(background));
+}
+
+// Several GPUs, one rank per GPU (the real setting): on every GPU the GEMM alone, beside TIDE-RS
+// (copy engines over NVLink + the reduce kernel), beside ncclReduceScatter of the same bucket in
+// fp32 (stock FSDP2's reduce-scatter; NCCL_NVLS_ENABLE=0), and beside the stand-in. The slowest
+// rank's median is reported.
+void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
+  select_device(rank);
+  const int world = bootstrap.world();
+  OneWaveGemm gemm;
+  const bool have_cublas = gemm.init();
+  const auto all_have = bootstrap.allgather(have_cublas ? "1" : "0");
+  for (const std::string& h : all_have)
+    if (h != "1") {
+      if (rank == 0) append_row({"interference", "skipped: cuBLAS not found", 0, 0, 0, 0, 0, 0, 0, ""});
+      return;
+    }
+  const int iters = std::max(args.iters, 30);
+  gemm.alone_us = median(gemm.time(iters));
+  cudaStream_t background = nullptr;
+  BCHECK(cudaStreamCreateWithFlags(&background, cudaStreamNonBlocking));
+  cudaEvent_t done = nullptr;
+  BCHECK(cudaEventCreate(&done));
+  // How many back-to-back runs of `once` outlast the timed GEMMs three times over.
+  auto runs_to_cover = [&](const std::function<void()>& once) {
+    once();
+    BCHECK(cudaStreamSynchronize(background));
+    bootstrap.barrier();
+    const double us = median(time_each(background, 3, once));
+    bootstrap.barrier();
+    return static_cast<int>(std::ceil(3.0 * iters * gemm.alone_us / us)) + 2;
+  };
+
+  // TIDE-RS: a 256 MiB bf16 gradient per rank (W ranks, one node).
+  const BucketLayout layout(single_param(std::size_t{256} << 20), Topology::single_node(world));
+  const ParamLayout& p = layout.param(0);
+  DeviceMemory grad(p.unsharded_bytes()), out(p.valid_numel(rank) * 4);
+  cuda_kernels::launch_fill_random(grad.ptr, cuda_kernels::kBF16, p.numel(), 50 + rank, background);
+  auto window = CudaWindow::create(bootstrap, layout.window_bytes());
+  const Program program = plan_reduce_scatter(layout, rank, ReduceOptions{}, 3);
+  const Bindings bindings{{grad.ptr}, {out.ptr}};
+  double beside_tide = 0, tide_sm = 0;
+  bool tide_overlapped = false;
+  {
+    CudaExecutor executor(*window, background);
+    executor.enable_stats(true);
+    executor.run(program, bindings);
+    tide_sm = executor.stats().reduce_cta_us;
+    executor.enable_stats(false);
+    const int runs = runs_to_cover([&] { executor.run(program, bindings); });
+    std::tie(beside_tide, tide_overlapped) = gemm_beside(gemm, iters, done, [&] {
+      for (int i = 0; i < runs; ++i) executor.run(program, bindings);
+      BCHECK(cudaEventRecord(done, background));
+    });
+    executor.synchronize();
+  }
+  bootstrap.barrier();
+  window.reset();
+
+  // NCCL reduce-scatter of the same gradient in fp32 (FSDP2's stock buffer), avg.
+  const NcclLibrary& nccl = NcclLibrary::get();
+  auto comm = NcclComm::create(bootstrap);
+  const int64_t shard = p.shard_numel;
+  DeviceMemory fp32_in(shard * world * 4), fp32_out(shard * 4);
+  cuda_kernels::launch_fill_random(fp32_in.ptr, cuda_kernels::kFP32, shard * world, 60 + rank, background);
+  auto nccl_once = [&] {
+    nccl.check(nccl.reduce_scatter(fp32_in.ptr, fp32_out.ptr, shard, NcclLibrary::kFloat32,
+                                   NcclLibrary::kAvg, comm->get(), background),
+               "ncclReduceScatter");
+  };
+  const int nccl_runs = runs_to_cover(nccl_once);
+  const auto [beside_nccl, nccl_overlapped] = gemm_beside(gemm, iters, done, [&] {
+    for (int i = 0; i < nccl_runs; ++i) nccl_once();
+    BCHECK(cudaEventRecord(done, background));
+  });
+  BCHECK(cudaStreamSynchronize(background));
+  bootstrap.barrier();
+  comm.reset();
+
+  StandIn stand_in(background);
+  const int launches = runs_to_cover([&] { stand_in.launch(background); });
+  const auto [beside_stand_in, stand_in_overlapped] = gemm_beside(gemm, iters, done, [&] {
+    for (int i = 0; i < launches; ++i) stand_in.launch(background);
+    BCHECK(cudaEventRecord(done, background));
+  });
+  BCHECK(cudaStreamSynchronize(background));
+
+  char mine[160];
+  std::snprintf(mine, sizeof mine, "%.3f %.3f %.3f %.3f %d %d %d %.1f", gemm.alone_us, beside_tide,
+                beside_nccl, beside_stand_in, tide_overlapped, nccl_overlapped, stand_in_overlapped,
+                tide_sm);
+  const auto all = bootstrap.allgather(mine);
+  BCHECK(cudaStreamDestroy(background));
+  if (rank != 0) return;
+  double alone = 0, tide = 0, nccl_us = 0, stand = 0, sm = 0;
+  bool ov_tide = true, ov_nccl = true, ov_stand = true;
+  for (const std::string& x : all) {
+    double a = 0, t = 0, n = 0, st = 0, m = 0;
+    int o1 = 0, o2 = 0, o3 = 0;
+    std::sscanf(x.c_str(), "%lf %lf %lf %lf %d %d %d %lf", &a, &t, &n, &st, &o1, &o2, &o3, &m);
+    alone = std::max(alone, a), tide = std::max(tide, t), nccl_us = std::max(nccl_us, n);
+    stand = std::max(stand, st), sm += m;
+    ov_tide &= o1 != 0, ov_nccl &= o2 != 0, ov_stand &= o3 != 0;
+  }
+  auto overlap = [](bool ok) { return ok ? "overlapped" : "WARNING: background ended before the GEMMs"; };
+  print_interference_header(gemm, iters, detail::concat(" (", world, " GPUs, one rank each)"));
+  char note[200];
+  std::snprintf(note, sizeof note, "%.0f TFLOP/s (slowest rank)", gemm.tflops(alone));
+  print_interference_row("alone", alone, alone, note);
+  std::snprintf(note, sizeof note, "RS of 256 MiB bf16/rank -> fp32, reduce %.0f CTA*us per RS (all ranks); %s",
+                sm, overlap(ov_tide));
+  print_interference_row(detail::concat("beside TIDE-RS (W=", world, ", NVLink)"), tide, alone, note);
+  std::snprintf(note, sizeof note, "same gradient as an fp32 buffer, avg, NCCL %s; %s",
+                nccl.version_string().c_str(), overlap(ov_nccl));
+  print_interference_row(detail::concat("beside ncclReduceScatter fp32 (W=", world, ")"), nccl_us,
+                         alone, note);
+  print_interference_row("beside 16-CTA reduce kernel", stand, alone, overlap(ov_stand));
+}
+
+bool run_interference(const Args& args) {
+  bool ok = fork_ranks(1, [&](int, Bootstrap&) { interference_one_gpu(args); });
+  const int gpus = cuda_device_count();
+  if (gpus >= 2)
+    ok &= fork_ranks(std::min(gpus, 8), [&](int rank, Bootstrap& b) { interference_rank(rank, b, args); });
+  return ok;
 }
 
 // ---- Driver. --------------------------------------------------------------------------------
@@ -756,16 +1077,20 @@ int main_impl(int argc, char** argv) {
     else if (a == "--iters") args.iters = std::stoi(value());
     else if (a == "--warmup") args.warmup = std::stoi(value());
     else if (a == "--quick") args.quick = true;
+    else if (a == "--nodes") args.nodes = std::stoi(value());
     else throw std::runtime_error("unknown option " + a + " (see the comment atop bench_cuda.cpp)");
   }
   (void)results_path();  // created here, before any fork, so every child appends to the same file
   if (args.iters < 20) throw std::runtime_error("--iters " + std::to_string(args.iters) + ": expected >= 20");
+  if (args.nodes < 1 || args.world % args.nodes != 0)
+    throw std::runtime_error("--nodes " + std::to_string(args.nodes) + ": expected a divisor of --world " +
+                             std::to_string(args.world));
   if (!cuda_device_available()) {
     std::printf("tide_bench_cuda: no usable CUDA device; nothing to measure\n");
     return 0;
   }
   auto collective_of = [](const std::string& s) {
-    if (s == "ag") return Collective::kAllGather;
+    if (s == "ag" || s.empty()) return Collective::kAllGather;
     if (s == "rs") return Collective::kReduceScatter;
     throw std::runtime_error("--collective " + s + ": expected ag or rs");
   };
@@ -777,7 +1102,12 @@ int main_impl(int argc, char** argv) {
   } else if (args.mode == "bucket") {
     ok = run_collective(collective_of(args.collective), args.world, bucket_case(args.bucket), args);
   } else if (args.mode == "interference") {
-    ok = run_single_child([&] { interference_child(args); });
+    ok = run_interference(args);
+  } else if (args.mode == "compare") {
+    std::vector<BucketCase> cases = bucket_case(args.bucket);
+    const auto sweep = sweep_cases(args, std::min<std::size_t>(args.max_mib, 1024));
+    cases.insert(cases.end(), sweep.begin(), sweep.end());
+    ok = run_compare(cases, args);
   } else if (args.mode == "all") {
     ok &= run_single_child([&] { ceiling_child(args); });
     for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
@@ -789,9 +1119,10 @@ int main_impl(int argc, char** argv) {
       buckets.insert(buckets.end(), small.begin(), small.end());
       ok &= run_collective(c, 8, buckets, args);
     }
-    ok &= run_single_child([&] { interference_child(args); });
+    ok &= run_interference(args);
   } else {
-    throw std::runtime_error("mode " + args.mode + ": expected all, ceiling, sweep, bucket or interference");
+    throw std::runtime_error("mode " + args.mode +
+                             ": expected all, ceiling, sweep, bucket, compare or interference");
   }
   print_summary();
   std::error_code ignored;

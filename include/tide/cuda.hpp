@@ -18,6 +18,8 @@
 
 #include "tide/bootstrap.hpp"
 #include "tide/executor.hpp"
+#include "tide/layout.hpp"
+#include "tide/nccl.hpp"
 #include "tide/window.hpp"
 
 namespace tide {
@@ -27,6 +29,8 @@ namespace tide {
 // forked child, so this process stays CUDA-free and may still fork() ranks that use CUDA afterwards
 // (a process that initialised CUDA cannot hand it to fork()ed children). The answer is cached.
 bool cuda_device_available();
+// The number of CUDA devices, asked the same way (0 without a driver or a device).
+int cuda_device_count();
 
 // A window in device memory: [data (data_bytes, rounded up to 256 B)][FlagWord flags[2][W]] per
 // rank in one cudaMalloc, on the device current when create() is called. Flags start zeroed.
@@ -35,6 +39,10 @@ class CudaWindow {
   // Collective over `bootstrap`: every rank calls it with the same data_bytes (checked). Peers
   // are opened with cudaIpcOpenMemHandle (peers in this same process: their pointer as is).
   static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes);
+  // Across nodes (topology.world() == the bootstrap's world): only the ranks of this rank's node
+  // are mapped (data(r) of another node's rank throws); the network reaches the others.
+  static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes,
+                                            const Topology& topology);
   // Unmaps the peers and frees this rank's memory. Destroy it only after every rank is done with
   // the window (synchronize the executors, then a bootstrap barrier), or peers write into freed
   // memory. cudaMalloc/cudaFree may wait for the whole device: with ranks as threads of one
@@ -63,6 +71,7 @@ class CudaWindow {
   int rank_ = 0;
   int world_ = 0;
   int device_ = 0;
+  Topology topology_;
   std::size_t data_bytes_ = 0;
   std::size_t flag_offset_ = 0;
   std::vector<Peer> peers_;
@@ -89,13 +98,19 @@ class CudaExecutor final : public Executor {
     int batched_copy_calls = 0;  // cudaMemcpyBatchAsync calls
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
     int kernel_launches = 0;
+    int network_groups = 0;      // ncclGroupStart/End pairs (multi-node programs)
   };
 
   // `stream` is a cudaStream_t of the window's device (not the legacy default stream, which
   // cudaMemcpyBatchAsync refuses; the executor then falls back to one cudaMemcpyAsync per copy, as
   // it does when TIDE_CUDA_BATCH_COPY=0 or the batch API fails once).
+  //
+  // `network` (multi-node programs only; may be null otherwise): the NCCL communicator over all W
+  // ranks that carries NetSendOp/NetRecvOp as grouped ncclSend/ncclRecv on a network stream of
+  // this executor. A network group stuck past the timeout aborts the communicator (NCCL's only
+  // way to release its kernels) and becomes a TimeoutError naming the peers.
   CudaExecutor(CudaWindow& window, void* stream,
-               std::chrono::milliseconds timeout = default_timeout());
+               std::chrono::milliseconds timeout = default_timeout(), NcclComm* network = nullptr);
   // Waits for enqueued work (a stuck wait still ends within the timeout), then stops the watchdog.
   ~CudaExecutor() override;
   CudaExecutor(const CudaExecutor&) = delete;

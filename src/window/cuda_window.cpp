@@ -67,10 +67,18 @@ bool from_hex(const std::string& hex, void* bytes, std::size_t n) {
 }  // namespace
 
 std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t data_bytes) {
+  return create(bootstrap, data_bytes, Topology::single_node(bootstrap.world()));
+}
+
+std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t data_bytes,
+                                               const Topology& topology) {
   const char* where = "CudaWindow::create";
   const int rank = bootstrap.rank();
   const int world = bootstrap.world();
   TIDE_CHECK_ARG(data_bytes > 0, where, "data_bytes", data_bytes, "> 0");
+  TIDE_CHECK_ARG(topology.nodes >= 1 && topology.local >= 1 && topology.world() == world, where,
+                 "topology", detail::concat(topology.nodes, " nodes x ", topology.local, " local"),
+                 detail::concat(world, " ranks in all (the bootstrap's world)"));
 
   std::unique_ptr<CudaWindow> window(new CudaWindow());
   window->rank_ = rank;
@@ -78,6 +86,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   window->data_bytes_ = data_bytes;
   window->flag_offset_ = round_up(data_bytes, kDataAlignment);
   window->peers_.assign(world, Peer{});
+  window->topology_ = topology;
   TIDE_CUDA_CHECK(cudaGetDevice(&window->device_));
 
   const std::size_t total = window->flag_offset_ + flag_array_bytes(world);
@@ -106,7 +115,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
       bootstrap.allgather(std::string(head) + to_hex(&handle, sizeof handle));
 
   for (int r = 0; r < world; ++r) {
-    if (r == rank) continue;
+    if (r == rank || topology.node_of(r) != topology.node_of(rank)) continue;
     std::size_t theirs = 0;
     uint64_t token = 0;
     int device = 0;
@@ -154,6 +163,9 @@ CudaWindow::~CudaWindow() {
 std::byte* CudaWindow::data(int rank) const {
   TIDE_CHECK_ARG(rank >= 0 && rank < world_, "CudaWindow::data", "rank", rank,
                  detail::concat("in [0, ", world_, ")"));
+  TIDE_CHECK_ARG(peers_[rank].base != nullptr, "CudaWindow::data", "rank", rank,
+                 detail::concat("a rank of node ", topology_.node_of(rank_),
+                                " (other nodes' windows are not mapped)"));
   return peers_[rank].base;
 }
 

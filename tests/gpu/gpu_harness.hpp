@@ -196,6 +196,11 @@ struct Scenario {
   int world;
   std::vector<Invocation> sequence;  // run in order on one window, `repeats` times
   int repeats = 2;
+  int nodes = 1;       // > 1: multi-node plans (the CUDA executor then needs NCCL between nodes)
+  NetOptions net = {};
+
+  Topology topology() const { return Topology{nodes, world / nodes}; }
+  BucketLayout layout() const { return BucketLayout(specs, topology()); }
 };
 
 // Per rank, the inputs of one invocation (AG: valid shard rows in shard_dtype; RS: the full
@@ -220,10 +225,18 @@ inline RankData make_rank_data(const BucketLayout& layout, const Invocation& inv
   return d;
 }
 
-inline Program plan(const BucketLayout& layout, const Invocation& inv, int rank) {
+inline Program plan(const Scenario& s, const BucketLayout& layout, const Invocation& inv, int rank) {
   return inv.collective == Collective::kAllGather
-             ? plan_all_gather(layout, rank, inv.bucket)
-             : plan_reduce_scatter(layout, rank, inv.options, inv.bucket);
+             ? plan_all_gather(layout, rank, inv.bucket, s.net)
+             : plan_reduce_scatter(layout, rank, inv.options, inv.bucket, s.net);
+}
+
+// The window every invocation of the scenario fits in (multi-node reduce-scatters add staging).
+inline std::size_t window_bytes(const Scenario& s) {
+  const BucketLayout layout = s.layout();
+  std::size_t bytes = layout.window_bytes();
+  for (const Invocation& inv : s.sequence) bytes = std::max(bytes, plan(s, layout, inv, 0).window_bytes);
+  return bytes;
 }
 
 // What is compared after an invocation: AG, the window's param regions (all W slots of each
@@ -249,17 +262,17 @@ inline std::vector<std::byte> capture_outputs(const BucketLayout& layout, const 
 
 // The reference: captures[rank][invocation] from the host executor, ranks as threads.
 inline std::vector<std::vector<std::vector<std::byte>>> host_reference(const Scenario& s) {
-  const BucketLayout layout(s.specs, Topology::single_node(s.world));
+  const BucketLayout layout = s.layout();
   std::vector<std::vector<std::vector<std::byte>>> captures(s.world);
   const auto reports = run_rank_threads(s.world, [&](int rank, Bootstrap& bootstrap) {
-    auto window = HostWindow::create(bootstrap, layout.window_bytes());
+    auto window = HostWindow::create(bootstrap, window_bytes(s));
     HostExecutor executor(*window, std::chrono::milliseconds(60000));
     for (const Invocation& inv : s.sequence) {
       RankData d = make_rank_data(layout, inv, rank);
       Bindings b;
       for (auto& in : d.inputs) b.inputs.push_back(in.data());
       for (auto& out : d.outputs) b.outputs.push_back(out.data());
-      executor.run(plan(layout, inv, rank), b);
+      executor.run(plan(s, layout, inv, rank), b);
       captures[rank].push_back(inv.collective == Collective::kAllGather
                                    ? capture_window(layout, window->data(rank))
                                    : capture_outputs(layout, d, rank));

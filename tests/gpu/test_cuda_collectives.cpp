@@ -43,7 +43,7 @@ std::string capture_name(const std::string& dir, int rank, int rep, std::size_t 
 // another rank's stream waits on this one.
 void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, const std::string& dir) {
   select_device(rank);
-  const BucketLayout layout(s.specs, Topology::single_node(s.world));
+  const BucketLayout layout = s.layout();
   std::vector<RankData> data;
   std::vector<std::vector<DeviceBuffer>> inputs(s.sequence.size()), outputs(s.sequence.size());
   for (std::size_t j = 0; j < s.sequence.size(); ++j) {
@@ -53,9 +53,11 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
   }
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto window = CudaWindow::create(bootstrap, layout.window_bytes());
+  auto window = CudaWindow::create(bootstrap, window_bytes(s), s.topology());
+  std::unique_ptr<NcclComm> network;
+  if (s.nodes > 1) network = NcclComm::create(bootstrap);
   {
-    CudaExecutor executor(*window, stream, 30000ms);
+    CudaExecutor executor(*window, stream, 30000ms, network.get());
     std::vector<std::byte> window_bytes(layout.window_bytes());
     for (int rep = 0; rep < s.repeats; ++rep) {
       for (std::size_t j = 0; j < s.sequence.size(); ++j) {
@@ -78,7 +80,7 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
             CHECK_CUDA(cudaMemsetAsync(outputs[j][i].ptr, 0x77, d.outputs[i].size(), stream));
           bindings.outputs.push_back(outputs[j][i].ptr);
         }
-        executor.run(plan(layout, inv, rank), bindings);
+        executor.run(plan(s, layout, inv, rank), bindings);
         std::vector<std::byte> capture;
         if (inv.collective == Collective::kAllGather) {
           CHECK_CUDA(cudaMemcpyAsync(window_bytes.data(), window->data(rank), window_bytes.size(),
@@ -99,13 +101,14 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
     }
   }
   bootstrap.barrier();  // nobody frees memory while a peer may still use it
+  network.reset();
   window.reset();
   CHECK_CUDA(cudaStreamDestroy(stream));
 }
 
 // Compares every rank's GPU captures with the host executor's, and reduce-scatters with fp64.
 void check_scenario(const Scenario& s, const std::string& dir) {
-  const BucketLayout layout(s.specs, Topology::single_node(s.world));
+  const BucketLayout layout = s.layout();
   const auto reference = host_reference(s);
   for (int r = 0; r < s.world; ++r)
     for (std::size_t j = 0; j < s.sequence.size(); ++j) {
@@ -252,14 +255,11 @@ TEST(CudaKernels, SingleRankCastAndReduce) {
 }
 
 // Ranks as threads of one process share a CUDA context (their windows are used directly, not
-// through IPC).
-// DISABLED: hangs on the H200 (2026-11-30, twice: once before and once after setting
-// CUDA_DEVICE_MAX_CONNECTIONS=32 in the child), so it would eat a GPU run's time limit. Ranks as
-// processes pass. Suspects, unverified: a call that synchronises the device (cudaFree of a test
-// buffer, a blocking copy) in one thread while another thread's stream sits in a
-// cuStreamWaitValue64 for a signal the first thread has not enqueued yet. Run it alone with
-// --gtest_also_run_disabled_tests --gtest_filter='*RanksAsThreads*' under a timeout.
-TEST(CudaCollectives, DISABLED_RanksAsThreadsOfOneProcess) {
+// through IPC). This hung on the H200 until CudaExecutor preloaded its kernels: under lazy module
+// loading a kernel's first launch waited for the whole context while another thread's stream sat
+// in a wait for it (cuda_kernels::preload_kernels). The child is killed after 120 s, so a
+// regression fails instead of eating the GPU run.
+TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
   TIDE_REQUIRE_GPU();
   std::mt19937_64 rng(4000);
   const int world = 4;
@@ -276,9 +276,39 @@ TEST(CudaCollectives, DISABLED_RanksAsThreadsOfOneProcess) {
     for (int r = 0; r < world; ++r)
       if (thread_reports[r] != "ok")
         throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
-  });
+  }, 120s);
   ASSERT_EQ(reports[0], "ok");
   check_scenario(s, dir.path());
+}
+
+// Across nodes over NCCL: every GPU its own node (NCCL refuses two ranks on one GPU), rail
+// exchanges as grouped ncclSend/ncclRecv. Paced recursive-doubling all-gather and the two-phase
+// reduce-scatter (ring and recursive halving), small chunks so each bucket takes many network
+// steps: bitwise equal to the host executor running the same programs over its host transport,
+// and within 1e-6 of fp64.
+TEST(CudaCollectives, AcrossNodesOverNccl) {
+  TIDE_REQUIRE_GPU();
+  const int gpus = cuda_device_count();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one node each); this machine has " << gpus;
+  const int world = std::min(gpus, 8);
+  std::mt19937_64 rng(6000);
+  int cases = 0;
+  for (const NetOptions& net : {NetOptions{4096, 2, 2, false}, NetOptions{1024, 4, 3, true},
+                                NetOptions{}}) {
+    Scenario s{random_specs(rng, world, 5, 1 << 15),
+               world,
+               {{Collective::kAllGather, {}, 1, 61},
+                {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 1, 62},
+                {Collective::kReduceScatter, options(ReduceKind::kSum, 0.5f, 2.0f, true), 2, 63}},
+               2,
+               world,
+               net};
+    SCOPED_TRACE(testing::Message() << "W=" << world << " as " << world << " nodes, chunk "
+                                    << net.chunk_bytes << ", halving " << net.rs_recursive_halving);
+    run_and_check(s);
+    ++cases;
+  }
+  EXPECT_EQ(cases, 3);
 }
 
 // A rank that dies before its collective: the survivors' waits time out and name it.

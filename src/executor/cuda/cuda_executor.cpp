@@ -9,7 +9,11 @@
 //   WaitOp     -> cuStreamWaitValue64(epoch >= e), then cuStreamWaitValue64(tag == t): a peer that
 //                 runs another collective blocks the stream instead of feeding it wrong data, and
 //                 the watchdog reports DesyncError.
-//   ReduceOp   -> one reduce kernel for all consecutive ReduceOps.
+//   ReduceOp   -> one reduce kernel for consecutive ReduceOps with as many sources each, none
+//                 reading or writing what an earlier one of the kernel writes.
+//   NetSendOp/NetRecvOp -> grouped ncclSend/ncclRecv on a network stream, as the group schedule
+//                 (src/executor/net/group_schedule.hpp) says: issued after the stream reaches the
+//                 group's last op, waited for only by steps that touch its bytes.
 //
 // Watchdog: each wait is bracketed by two events. A host thread looks at the oldest wait not yet
 // passed; once its "before" event has completed but its "after" has not for longer than the
@@ -25,6 +29,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -32,6 +37,7 @@
 #include "cuda_check.hpp"
 #include "driver_api.hpp"
 #include "kernels.cuh"
+#include "net/group_schedule.hpp"
 #include "tide/cuda.hpp"
 #include "tide/error.hpp"
 
@@ -68,12 +74,19 @@ struct PendingWait {
   uint64_t id;
   cudaEvent_t before;
   cudaEvent_t after;
-  FlagWord* flag;  // own flag, device pointer
+  FlagWord* flag;  // own flag, device pointer; null for a network group
   uint64_t epoch;
   uint64_t tag;
   int peer;
   FlagKind kind;
   Phase phase;
+  std::string peers;  // a network group's peers, for its timeout message
+};
+
+struct Span {
+  const std::byte* begin;
+  const std::byte* end;
+  bool overlaps(const Span& o) const { return begin < o.end && o.begin < end; }
 };
 
 struct KernelTiming {
@@ -89,7 +102,11 @@ struct CudaExecutor::Impl {
   CudaWindow& window;
   cudaStream_t stream;
   std::chrono::milliseconds timeout;
+  NcclComm* network;
   const cuda_detail::DriverApi& api;
+  cudaStream_t net_stream = nullptr;   // created at the first multi-node program
+  cudaEvent_t net_ready = nullptr;     // the compute stream's position at a group's last op
+  std::vector<cudaEvent_t> group_done; // per group of the current program (reused across runs)
   cudaStream_t side_stream = nullptr;  // non-blocking: the watchdog's flag reads and releases
   // Host staging of the watchdog's flag reads/writes (pageable: cudaMallocHost/cudaFreeHost may
   // wait for the whole device, which must not happen while ranks of this process wait on each other).
@@ -113,8 +130,9 @@ struct CudaExecutor::Impl {
   std::atomic<bool> watchdog_dead{false};  // it hit a CUDA error and can no longer drain
   std::thread watchdog;
 
-  Impl(CudaWindow& w, void* s, std::chrono::milliseconds t)
-      : window(w), stream(static_cast<cudaStream_t>(s)), timeout(t), api(cuda_detail::driver_api()) {
+  Impl(CudaWindow& w, void* s, std::chrono::milliseconds t, NcclComm* n)
+      : window(w), stream(static_cast<cudaStream_t>(s)), timeout(t), network(n),
+        api(cuda_detail::driver_api()) {
     const char* batch = std::getenv("TIDE_CUDA_BATCH_COPY");
     if (batch && std::string(batch) == "0") batch_copies = false;
   }
@@ -189,7 +207,7 @@ struct CudaExecutor::Impl {
   void enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag) {
     const int rank = window.rank();
     FlagWord* flag = window.flags(rank) + flag_index(wait.kind, wait.peer, window.world());
-    PendingWait record{0, take_event(), take_event(), flag, epoch, tag, wait.peer, wait.kind, phase};
+    PendingWait record{0, take_event(), take_event(), flag, epoch, tag, wait.peer, wait.kind, phase, {}};
     TIDE_CUDA_CHECK(cudaEventRecord(record.before, stream));
     TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch), epoch,
                                           CU_STREAM_WAIT_VALUE_GEQ));
@@ -211,6 +229,56 @@ struct CudaExecutor::Impl {
                                            CU_STREAM_WRITE_VALUE_DEFAULT));
     TIDE_CU_CHECK(api.stream_write_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch),
                                            epoch, CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
+
+  // Enqueues group g's sends and receives on the network stream after the compute stream's
+  // position recorded in net_ready, watched like a wait.
+  void issue_group(const net::NetGroup& group, std::size_t g, const Program& program,
+                   const std::function<std::byte*(const Address&)>& resolve, uint64_t epoch,
+                   uint64_t tag) {
+    const NcclLibrary& nccl = NcclLibrary::get();
+    if (!net_stream) {
+      TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&net_stream, cudaStreamNonBlocking));
+      streams_used.push_back(net_stream);
+    }
+    if (std::find(streams_used.begin(), streams_used.end(), net_stream) == streams_used.end())
+      streams_used.push_back(net_stream);
+    while (group_done.size() <= g) {
+      cudaEvent_t e = nullptr;
+      TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      group_done.push_back(e);
+    }
+    TIDE_CUDA_CHECK(cudaStreamWaitEvent(net_stream, net_ready, 0));
+    PendingWait record{0, take_event(), group_done[g], nullptr, epoch, tag, -1,
+                       FlagKind::kDataReady, Phase::kPush, {}};
+    TIDE_CUDA_CHECK(cudaEventRecord(record.before, net_stream));
+    nccl.check(nccl.group_start(), "ncclGroupStart");
+    int result = 0;
+    for (std::size_t i : group.ops) {
+      const Step& step = program.steps[i];
+      if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
+        record.peers += detail::concat(record.peers.empty() ? "" : ", ", "send to ", send->peer);
+        if (result == 0)
+          result = nccl.send(resolve(send->src), send->bytes, NcclLibrary::kUint8, send->peer,
+                             network->get(), net_stream);
+      } else if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
+        record.peers += detail::concat(record.peers.empty() ? "" : ", ", "receive from ", recv->peer);
+        if (result == 0)
+          result = nccl.recv(resolve(recv->dst), recv->bytes, NcclLibrary::kUint8, recv->peer,
+                             network->get(), net_stream);
+      }
+    }
+    const int ended = nccl.group_end();  // always ended, even after a failed call inside
+    nccl.check(result, "ncclSend/ncclRecv");
+    nccl.check(ended, "ncclGroupEnd");
+    ++stats.network_groups;
+    TIDE_CUDA_CHECK(cudaEventRecord(record.after, net_stream));
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      record.id = next_wait_id++;
+      pending.push_back(record);
+    }
+    wake.notify_one();
   }
 
   void throw_if_failed() {
@@ -267,6 +335,15 @@ struct CudaExecutor::Impl {
     TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
   }
 
+  std::exception_ptr diagnose_network(const PendingWait& w) {
+    return std::make_exception_ptr(TimeoutError(detail::concat(
+        "rank ", window.rank(), ": timed out after ", timeout.count(),
+        " ms in a network transfer (", w.peers, "; ", describe_tag(w.tag), ", phase ",
+        phase_name(w.phase), ", epoch ", w.epoch, ") over NCCL; the communicator was aborted. A "
+        "peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is only "
+        "slow)")));
+  }
+
   std::exception_ptr diagnose(const PendingWait& w, const FlagWord& seen) {
     const int rank = window.rank();
     const bool epoch_arrived = static_cast<int64_t>(seen.epoch - w.epoch) >= 0;
@@ -306,7 +383,7 @@ struct CudaExecutor::Impl {
           lock.lock();
           pending.pop_front();
           free_events.push_back(w.before);
-          free_events.push_back(w.after);
+          if (w.flag) free_events.push_back(w.after);  // a group's "after" is group_done's
           continue;
         }
         if (after != cudaErrorNotReady) TIDE_CUDA_CHECK(after);
@@ -316,7 +393,14 @@ struct CudaExecutor::Impl {
         if (before == cudaSuccess) {
           const Clock::time_point now = Clock::now();
           if (stuck_id != w.id) stuck_id = w.id, stuck_since = now;
-          if (!draining && now - stuck_since >= timeout) {
+          if (w.flag == nullptr) {  // a network group: NCCL can only be released by an abort
+            if (!draining && now - stuck_since >= timeout) {
+              store_error(diagnose_network(w));
+              write_flags(window.flags(window.rank()), kNumFlagKinds * window.world(), w.tag);
+              draining = true;
+            }
+            if (draining && !network->aborted()) network->abort();
+          } else if (!draining && now - stuck_since >= timeout) {
             store_error(diagnose(w, read_flag(w.flag)));
             // Release every own flag at once (this program's remaining waits pass quickly);
             // waits of later programs, or flags a live peer overwrites, are released one by one.
@@ -341,13 +425,24 @@ struct CudaExecutor::Impl {
   }
 };
 
-CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::milliseconds timeout)
-    : impl_(std::make_unique<Impl>(window, stream, timeout)) {
+CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::milliseconds timeout,
+                           NcclComm* network)
+    : impl_(std::make_unique<Impl>(window, stream, timeout, network)) {
   TIDE_CHECK_ARG(timeout.count() > 0, "CudaExecutor", "timeout_ms", timeout.count(), "> 0");
+  if (network) {
+    TIDE_CHECK_ARG(network->world() == window.world() && network->rank() == window.rank(),
+                   "CudaExecutor", "network",
+                   detail::concat("rank ", network->rank(), " of ", network->world()),
+                   detail::concat("rank ", window.rank(), " of ", window.world(),
+                                  " (the window's: NCCL rank i must be TIDE rank i)"));
+    TIDE_CHECK_ARG(network->device() == window.device(), "CudaExecutor", "network device",
+                   network->device(), detail::concat(window.device(), " (the window's device)"));
+  }
   int device = 0;
   TIDE_CUDA_CHECK(cudaGetDevice(&device));
   TIDE_CHECK_ARG(device == window.device(), "CudaExecutor", "current device", device,
                  detail::concat(window.device(), " (the window's device)"));
+  cuda_kernels::preload_kernels();
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->side_stream, cudaStreamNonBlocking));
   impl_->staging.resize(static_cast<std::size_t>(kNumFlagKinds) * window.world());
   impl_->streams_used.push_back(impl_->stream);
@@ -371,9 +466,12 @@ CudaExecutor::~CudaExecutor() {
   d.watchdog.join();
   for (const PendingWait& w : d.pending) {
     (void)cudaEventDestroy(w.before);
-    (void)cudaEventDestroy(w.after);
+    if (w.flag) (void)cudaEventDestroy(w.after);
   }
   for (cudaEvent_t e : d.free_events) (void)cudaEventDestroy(e);
+  for (cudaEvent_t e : d.group_done) (void)cudaEventDestroy(e);
+  if (d.net_ready) (void)cudaEventDestroy(d.net_ready);
+  if (d.net_stream) (void)cudaStreamDestroy(d.net_stream);
   for (const KernelTiming& t : d.timings) {
     (void)cudaEventDestroy(t.start);
     (void)cudaEventDestroy(t.end);
@@ -398,12 +496,13 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
   CudaWindow& window = d.window;
   const int rank = window.rank();
   const int world = window.world();
-  validate_run(program, bindings, rank, world, window.data_bytes(), window.data(rank));
+  validate_run(program, bindings, rank, world, window.data_bytes(), window.data(rank),
+               /*net_supported=*/d.network != nullptr);
   d.throw_if_failed();
   const uint64_t epoch = window.next_epoch();
   const uint64_t tag = program.tag();
 
-  auto resolve = [&](const Address& a) -> std::byte* {
+  const std::function<std::byte*(const Address&)> resolve = [&](const Address& a) -> std::byte* {
     switch (a.space) {
       case Space::kWindow: return window.data(a.index) + a.offset;
       case Space::kInput:
@@ -414,18 +513,42 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
     return nullptr;
   };
 
+  const std::vector<Step>& steps = program.steps;
+  bool has_net = false;
+  for (const Step& step : steps)
+    has_net |= std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op);
+  net::GroupSchedule schedule;
+  if (has_net) {
+    schedule = net::schedule_groups(program);
+    if (!d.net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&d.net_ready, cudaEventDisableTiming));
+  }
+  // Issues and waits the schedule asks for before step i (i == steps.size(): the end).
+  auto network_actions = [&](std::size_t i) {
+    if (!has_net) return;
+    for (int g : schedule.issue_before[i])
+      d.issue_group(schedule.groups[g], static_cast<std::size_t>(g), program, resolve, epoch, tag);
+    if (schedule.wait_before[i] >= 0)
+      TIDE_CUDA_CHECK(cudaStreamWaitEvent(d.stream, d.group_done[schedule.wait_before[i]], 0));
+  };
+  // Whether step j may join a kernel batch started earlier: no network action falls between.
+  auto batchable = [&](std::size_t j) {
+    return !has_net || (schedule.issue_before[j].empty() && schedule.wait_before[j] < 0);
+  };
+
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<std::size_t> sizes;
-  const std::vector<Step>& steps = program.steps;
   for (std::size_t i = 0; i < steps.size();) {
+    network_actions(i);
     const Step& step = steps[i];
     if (std::holds_alternative<CastOp>(step.op)) {
       // Consecutive casts write disjoint slots: same-type ones become one copy batch (+ memsets
       // of their pads), the rest one kernel.
       std::vector<cuda_kernels::CastSpec> casts;
       dsts.clear(), srcs.clear(), sizes.clear();
-      for (; i < steps.size() && std::holds_alternative<CastOp>(steps[i].op); ++i) {
+      for (std::size_t first = i;
+           i < steps.size() && std::holds_alternative<CastOp>(steps[i].op) && (i == first || batchable(i));
+           ++i) {
         const CastOp& cast = std::get<CastOp>(steps[i].op);
         std::byte* dst = resolve(cast.dst);
         const std::size_t dst_size = dtype_size(cast.dst_dtype);
@@ -449,24 +572,45 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
           return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, d.stream);
         });
     } else if (std::holds_alternative<ReduceOp>(step.op)) {
-      std::vector<cuda_kernels::ReduceSpec> reduces;
-      std::vector<const void*> sources;  // world per reduce, filled first: specs point into it
-      const std::size_t first = i;
+      // One kernel for consecutive reduces with as many sources each, as long as none touches
+      // what an earlier one in the kernel writes (a multi-node ring step sums the partial it just
+      // reduced) or writes what an earlier one reads.
+      const std::size_t num_sources = std::get<ReduceOp>(step.op).sources.size();
+      std::vector<const void*> sources;  // num_sources per reduce, filled first: specs point into it
+      std::vector<Span> reads, writes;
+      std::vector<std::size_t> batch;
       for (; i < steps.size() && std::holds_alternative<ReduceOp>(steps[i].op); ++i) {
         const ReduceOp& reduce = std::get<ReduceOp>(steps[i].op);
-        TIDE_CHECK_ARG(static_cast<int>(reduce.sources.size()) == world, "CudaExecutor::run",
-                       detail::concat("reduce of param ", reduce.param, ": sources"),
-                       reduce.sources.size(), detail::concat(world, " (one per rank)"));
-        for (const Address& a : reduce.sources) sources.push_back(resolve(a));
+        if (!batch.empty() && (reduce.sources.size() != num_sources || !batchable(i))) break;
+        const std::size_t in_bytes = static_cast<std::size_t>(reduce.count) * dtype_size(reduce.src_dtype);
+        const std::byte* out = resolve(reduce.dst);
+        const Span written{out, out + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.dst_dtype)};
+        bool depends = false;
+        for (const Span& w : writes) depends |= w.overlaps(written);
+        for (const Span& r : reads) depends |= r.overlaps(written);
+        for (const Address& a : reduce.sources) {
+          const std::byte* src = resolve(a);
+          for (const Span& w : writes) depends |= w.overlaps({src, src + in_bytes});
+        }
+        if (!batch.empty() && depends) break;
+        for (const Address& a : reduce.sources) {
+          const std::byte* src = resolve(a);
+          sources.push_back(src);
+          reads.push_back({src, src + in_bytes});
+        }
+        writes.push_back(written);
+        batch.push_back(i);
       }
-      for (std::size_t k = first; k < i; ++k) {
-        const ReduceOp& reduce = std::get<ReduceOp>(steps[k].op);
-        reduces.push_back({sources.data() + (k - first) * world, resolve(reduce.dst), reduce.count,
+      std::vector<cuda_kernels::ReduceSpec> reduces;
+      for (std::size_t k = 0; k < batch.size(); ++k) {
+        const ReduceOp& reduce = std::get<ReduceOp>(steps[batch[k]].op);
+        reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), reduce.count,
                            reduce.prescale, reduce.scale, reduce.accumulate,
                            element_type(reduce.src_dtype), element_type(reduce.dst_dtype)});
       }
       d.launch_timed(true, [&] {
-        return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), world, 0, d.stream);
+        return cuda_kernels::launch_reduces(reduces.data(), reduces.size(),
+                                            static_cast<int>(num_sources), 0, d.stream);
       });
     } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
       dsts.clear(), srcs.clear(), sizes.clear();
@@ -485,9 +629,13 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
       d.enqueue_wait(*wait, step.phase, epoch, tag);
       ++i;
     } else {
+      // NetSendOp / NetRecvOp: issued with their group (network_actions); the group waits for
+      // the compute stream to get here.
+      TIDE_CUDA_CHECK(cudaEventRecord(d.net_ready, d.stream));
       ++i;
     }
   }
+  network_actions(steps.size());
 }
 
 void CudaExecutor::synchronize() {
@@ -503,6 +651,7 @@ void CudaExecutor::synchronize() {
   d.streams_used.assign(1, d.stream);
   d.collect_timings();
   d.throw_if_failed();
+  if (d.network) d.network->check_async();
 }
 
 void CudaExecutor::enable_stats(bool enabled) { impl_->stats_enabled = enabled; }

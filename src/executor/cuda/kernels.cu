@@ -300,9 +300,21 @@ int launch_reduce_table(const std::vector<ReduceTask>& tasks,
 
 }  // namespace
 
+void preload_kernels() {
+  cudaFuncAttributes attributes;
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<SmallCastTable>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<LargeCastTable>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<SmallReduceTable>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<LargeReduceTable>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kBF16>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kFP16>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kFP32>));
+}
+
 int default_max_ctas() {
-  // CTAs of 256 threads at 4 per SM: 1024 resident threads per SM, enough 16-byte loads in flight
-  // to reach HBM bandwidth while leaving the other half of each SM to concurrent compute.
+  // CTAs of 256 threads at 2 per SM: 512 resident threads per SM keep enough 16-byte loads in
+  // flight for 93% of the HBM copy ceiling on an H200 (4 per SM: 94%, at twice the SM time), and
+  // leave most of each SM to concurrent compute (BENCHMARKS.md, reduce kernel by grid).
   static std::mutex mutex;
   static std::vector<int> per_device;
   int device = 0;
@@ -312,7 +324,7 @@ int default_max_ctas() {
   if (per_device[device] == 0) {
     int sms = 0;
     TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    per_device[device] = 4 * sms;
+    per_device[device] = 2 * sms;
   }
   return per_device[device];
 }

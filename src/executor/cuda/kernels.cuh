@@ -55,6 +55,13 @@ inline constexpr int kMaxSources = 3072;  // ranks a reduce can sum (one launch'
 // The grid cap used when max_ctas <= 0: CTAs per SM x SMs of the current device.
 int default_max_ctas();
 
+// Loads every kernel of this file into the current context now. With CUDA's lazy module loading
+// (the default) a kernel's first launch loads its module, and loading waits for the whole
+// context: with ranks as threads of one process, a rank whose stream waits on another rank's
+// flag then blocks that rank's first launch for good (the hang of ranks-as-threads). CudaExecutor
+// calls this before any wait can be enqueued.
+void preload_kernels();
+
 // Enqueue the casts (any src/dst types) / reduces on `stream`. Grids are min(tiles, max_ctas).
 // Throw tide::SystemError on a launch error, InvalidArgument for more than kMaxSources sources
 // per task.
