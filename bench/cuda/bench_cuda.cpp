@@ -12,7 +12,8 @@
 //   tide_bench_cuda interference       one-wave bf16 GEMM alone / beside TIDE-RS / beside a 16-CTA
 //                                      reduce kernel on one GPU (ranks as threads); with >= 2 GPUs
 //                                      also one rank per GPU, beside ncclReduceScatter as well
-//                                      (cuBLAS and NCCL loaded at run time; skipped without)
+//                                      (cuBLAS and NCCL loaded at run time; skipped without;
+//                                      --quick: only the multi-GPU part)
 // Options: --iters N (timed runs, >= 20; median reported), --warmup N, --quick (fewer sizes),
 // --nodes N (sweep/bucket: W ranks as N nodes, NCCL between them; needs one GPU per rank).
 //
@@ -932,14 +933,17 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
   BCHECK(cudaStreamCreateWithFlags(&background, cudaStreamNonBlocking));
   cudaEvent_t done = nullptr;
   BCHECK(cudaEventCreate(&done));
-  // How many back-to-back runs of `once` outlast the timed GEMMs three times over.
+  // How many back-to-back runs of `once` outlast the timed GEMMs three times over: the largest
+  // any rank computes (collectives must run as often on every rank).
   auto runs_to_cover = [&](const std::function<void()>& once) {
     once();
     BCHECK(cudaStreamSynchronize(background));
     bootstrap.barrier();
     const double us = median(time_each(background, 3, once));
-    bootstrap.barrier();
-    return static_cast<int>(std::ceil(3.0 * iters * gemm.alone_us / us)) + 2;
+    const int mine = static_cast<int>(std::ceil(3.0 * iters * gemm.alone_us / us)) + 2;
+    int runs = 0;
+    for (const std::string& r : bootstrap.allgather(std::to_string(mine))) runs = std::max(runs, std::stoi(r));
+    return runs;
   };
 
   // TIDE-RS: a 256 MiB bf16 gradient per rank (W ranks, one node).
@@ -1029,7 +1033,7 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
 }
 
 bool run_interference(const Args& args) {
-  bool ok = fork_ranks(1, [&](int, Bootstrap&) { interference_one_gpu(args); });
+  bool ok = args.quick || fork_ranks(1, [&](int, Bootstrap&) { interference_one_gpu(args); });
   const int gpus = cuda_device_count();
   if (gpus >= 2)
     ok &= fork_ranks(std::min(gpus, 8), [&](int rank, Bootstrap& b) { interference_rank(rank, b, args); });

@@ -19,10 +19,13 @@ using namespace std::chrono_literals;
       throw std::runtime_error(std::string(#call) + " failed: " + cudaGetErrorString(status_)); \
   } while (0)
 
+// One rank per GPU where several exist; ranks that are threads of one process all on GPU 0
+// (CudaWindow refuses threads on different GPUs).
+thread_local bool ranks_are_threads = false;
 void select_device(int rank) {
   int count = 0;
   CHECK_CUDA(cudaGetDeviceCount(&count));
-  CHECK_CUDA(cudaSetDevice(rank % count));
+  CHECK_CUDA(cudaSetDevice(ranks_are_threads ? 0 : rank % count));
 }
 
 struct DeviceBuffer {
@@ -271,6 +274,7 @@ TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
   TempDir dir;
   const auto reports = run_rank_processes(dir.path(), 1, [&](int, Bootstrap&) {
     const auto thread_reports = run_rank_threads(world, [&](int rank, Bootstrap& b) {
+      ranks_are_threads = true;
       run_scenario_on_gpu(s, rank, b, dir.path());
     });
     for (int r = 0; r < world; ++r)
