@@ -15,7 +15,8 @@
 //                                      (cuBLAS and NCCL loaded at run time; skipped without;
 //                                      --quick: only the multi-GPU part)
 // Options: --iters N (timed runs, >= 20; median reported), --warmup N, --quick (fewer sizes),
-// --nodes N (sweep/bucket: W ranks as N nodes, NCCL between them; needs one GPU per rank).
+// --nodes N (sweep/bucket: W ranks as N nodes, NCCL between them; needs one GPU per rank),
+// --chunk-mib N (multi-node chunk size, default 16).
 //
 // Times: per rank, CUDA events around each of N back-to-back runs; the median per rank; the slowest
 // rank's median reported. algbw = bytes / time, busbw = algbw * (W-1)/W (nccl-tests). SM time =
@@ -74,6 +75,7 @@ struct Args {
   int warmup = 3;
   bool quick = false;
   int nodes = 1;  // > 1: every rank group of W/nodes its own (virtual) node, NCCL between nodes
+  std::size_t chunk_mib = 16;  // multi-node: NetOptions::chunk_bytes (each chunk one send/recv)
 };
 
 // ---- Results: tab-separated lines appended by children, printed by the parent. -------------
@@ -309,7 +311,8 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
   select_device(rank);
   const int world = bootstrap.world();
   const Topology topology{args.nodes, world / args.nodes};
-  const NetOptions net;  // 1 MiB chunks, 4 in flight, ring
+  NetOptions net;  // ring
+  net.chunk_bytes = args.chunk_mib << 20;
   std::unique_ptr<NcclComm> network;
   if (args.nodes > 1) network = NcclComm::create(bootstrap);
   cudaStream_t stream = nullptr;
@@ -421,7 +424,8 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
                       ? double(program.bytes_pushed() + rs_staging_bytes(layout, net))
                       : 0.0;
       if (args.nodes > 1)
-        r.label += " [" + std::to_string(topology.nodes) + "x" + std::to_string(topology.local) + " nodes, NCCL]";
+        r.label += " [" + std::to_string(topology.nodes) + "x" + std::to_string(topology.local) +
+                   " nodes, NCCL, " + std::to_string(args.chunk_mib) + " MiB chunks]";
       r.note = wrong_total == 0 ? (args.nodes > 1 && collective == Collective::kReduceScatter
                                        ? "ok (within 1e-6)"
                                        : "ok (bitwise)")
@@ -667,9 +671,10 @@ void ceiling_child(const Args& args) {
   cuda_kernels::CastSpec cast{cast_src.ptr, cast_dst.ptr, m, 0, cuda_kernels::kFP32,
                               cuda_kernels::kBF16};
   cuda_kernels::launch_casts(&cast, 1, 0, stream);
-  row("cast fp32 -> bf16 256 MiB, " + std::to_string(full) + " CTAs", double(m) * 6,
-      time_each(stream, iters, [&] { cuda_kernels::launch_casts(&cast, 1, 0, stream); }), full,
-      ceiling);
+  for (int ctas : {2 * full, full})  // 2 * full: the casts' default grid
+    row("cast fp32 -> bf16 256 MiB, " + std::to_string(ctas) + " CTAs", double(m) * 6,
+        time_each(stream, iters, [&] { cuda_kernels::launch_casts(&cast, 1, ctas, stream); }), ctas,
+        ceiling);
   BCHECK(cudaStreamSynchronize(stream));
   BCHECK(cudaStreamDestroy(stream));
 }
@@ -753,8 +758,22 @@ struct OneWaveGemm {
 // Times the GEMM while `background` work, enqueued by enqueue_background() (which records
 // `done` on its stream after it), runs; returns the median and whether the background was still
 // running when the last timed GEMM ended (otherwise the figure would partly be the GEMM alone).
-std::pair<double, bool> gemm_beside(OneWaveGemm& gemm, int iters, cudaEvent_t done,
-                                    const std::function<void()>& enqueue_background) {
+double mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0 : sum / v.size();
+}
+
+// GEMM times beside a background: the median (the figure) and the mean (a background
+// busy only part of the time, like TIDE-RS's reduce kernel between copy phases, slows some GEMMs
+// and not others: the median alone can hide it).
+struct Beside {
+  double median_us = 0, mean_us = 0;
+  bool overlapped = false;
+};
+
+Beside gemm_beside(OneWaveGemm& gemm, int iters, cudaEvent_t done,
+                   const std::function<void()>& enqueue_background) {
   enqueue_background();
   const auto times = gemm.time(iters);
   cudaEvent_t gemm_done = nullptr;
@@ -765,7 +784,7 @@ std::pair<double, bool> gemm_beside(OneWaveGemm& gemm, int iters, cudaEvent_t do
   float tail_ms = 0;
   BCHECK(cudaEventElapsedTime(&tail_ms, gemm_done, done));
   BCHECK(cudaEventDestroy(gemm_done));
-  return {median(times), tail_ms > 0};
+  return {median(times), mean(times), tail_ms > 0};
 }
 
 // The 16-CTA persistent reduce kernel standing in for NCCL's: 8 bf16 sources of 32 MiB -> fp32.
@@ -792,16 +811,19 @@ void print_interference_header(const OneWaveGemm& gemm, int iters, const std::st
   std::printf("\n# Interference%s: bf16 GEMM %dx%dx%d via cuBLAS (%s), %d timed runs each\n",
               where.c_str(), OneWaveGemm::M, OneWaveGemm::N, OneWaveGemm::K,
               gemm.cublas.where.c_str(), iters);
-  std::printf("%-48s %10s %9s  %s\n", "GEMM", "time(us)", "slowdown", "background");
+  std::printf("%-48s %10s %9s %9s  %s\n", "GEMM", "median us", "slowdown", "mean", "background");
 }
 
-void print_interference_row(const std::string& label, double us, double alone,
+// One row: the median time and its slowdown against `alone`'s, and the mean's against its mean.
+void print_interference_row(const std::string& label, const Beside& b, const Beside& alone,
                             const std::string& note) {
-  char slow[32];
-  std::snprintf(slow, sizeof slow, "%+.1f%%", 100.0 * (us / alone - 1.0));
-  std::printf("%-48s %10.1f %9s  %s\n", label.c_str(), us, slow, note.c_str());
+  char slow[32], slow_mean[32];
+  std::snprintf(slow, sizeof slow, "%+.1f%%", 100.0 * (b.median_us / alone.median_us - 1.0));
+  std::snprintf(slow_mean, sizeof slow_mean, "%+.1f%%", 100.0 * (b.mean_us / alone.mean_us - 1.0));
+  std::printf("%-48s %10.1f %9s %9s  %s\n", label.c_str(), b.median_us, slow, slow_mean, note.c_str());
   std::fflush(stdout);
-  append_row({"interference", label, 0, 0, us, 0, 0, 0, 0, std::string(slow) + " " + note});
+  append_row({"interference", label, 0, 0, b.median_us, 0, 0, 0, 0,
+              std::string(slow) + " (mean " + slow_mean + ") " + note});
 }
 
 // One GPU: TIDE-RS with W=8 ranks as threads of this process (one context, so they really run
@@ -815,7 +837,9 @@ void interference_one_gpu(const Args& args) {
     return;
   }
   const int iters = std::max(args.iters, 30);
-  gemm.alone_us = median(gemm.time(iters));
+  const auto alone_times = gemm.time(iters);
+  const Beside alone{median(alone_times), mean(alone_times), true};
+  gemm.alone_us = alone.median_us;
 
   // Background A: TIDE-RS, 256 MiB bf16 gradient per rank, enqueued well past the GEMMs' end.
   const int world = 8, rs_runs = 40;
@@ -890,7 +914,7 @@ void interference_one_gpu(const Args& args) {
   const int launches = static_cast<int>(std::ceil(3.0 * iters * gemm.alone_us / reduce16_us)) + 4;
   cudaEvent_t reduce_done = nullptr;
   BCHECK(cudaEventCreate(&reduce_done));
-  const auto [beside_reduce, reduce_overlapped] = gemm_beside(gemm, iters, reduce_done, [&] {
+  const Beside beside_reduce = gemm_beside(gemm, iters, reduce_done, [&] {
     for (int i = 0; i < launches; ++i) stand_in.launch(background);
     BCHECK(cudaEventRecord(reduce_done, background));
   });
@@ -900,15 +924,17 @@ void interference_one_gpu(const Args& args) {
   print_interference_header(gemm, iters, " (one GPU)");
   char note[200];
   std::snprintf(note, sizeof note, "%.0f TFLOP/s", gemm.tflops(gemm.alone_us));
-  print_interference_row("alone", gemm.alone_us, gemm.alone_us, note);
+  print_interference_row("alone", alone, alone, note);
   std::snprintf(note, sizeof note,
                 "W=8 RS of 256 MiB/rank, reduce %.0f CTA*us per RS (all ranks); %s", rs_sm,
                 rs_tail_ms > 0 ? "overlapped" : "WARNING: RS ended before the GEMMs");
-  print_interference_row("beside TIDE-RS (8 ranks as threads, 1 GPU)", median(beside_rs_times),
-                         gemm.alone_us, note);
+  print_interference_row("beside TIDE-RS (8 ranks as threads, 1 GPU)",
+                         {median(beside_rs_times), mean(beside_rs_times), rs_tail_ms > 0}, alone,
+                         note);
   std::snprintf(note, sizeof note, "%.0f us per launch = %.0f CTA*us; %s", reduce16_us,
-                16 * reduce16_us, reduce_overlapped ? "overlapped" : "WARNING: reduce ended before the GEMMs");
-  print_interference_row("beside 16-CTA reduce kernel", beside_reduce, gemm.alone_us, note);
+                16 * reduce16_us,
+                beside_reduce.overlapped ? "overlapped" : "WARNING: reduce ended before the GEMMs");
+  print_interference_row("beside 16-CTA reduce kernel", beside_reduce, alone, note);
   BCHECK(cudaStreamDestroy(background));
 }
 
@@ -928,7 +954,9 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
       return;
     }
   const int iters = std::max(args.iters, 30);
-  gemm.alone_us = median(gemm.time(iters));
+  const auto alone_times = gemm.time(iters);
+  const Beside alone{median(alone_times), mean(alone_times), true};
+  gemm.alone_us = alone.median_us;
   cudaStream_t background = nullptr;
   BCHECK(cudaStreamCreateWithFlags(&background, cudaStreamNonBlocking));
   cudaEvent_t done = nullptr;
@@ -954,8 +982,8 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
   auto window = CudaWindow::create(bootstrap, layout.window_bytes());
   const Program program = plan_reduce_scatter(layout, rank, ReduceOptions{}, 3);
   const Bindings bindings{{grad.ptr}, {out.ptr}};
-  double beside_tide = 0, tide_sm = 0;
-  bool tide_overlapped = false;
+  double tide_sm = 0;
+  Beside beside_tide;
   {
     CudaExecutor executor(*window, background);
     executor.enable_stats(true);
@@ -963,7 +991,7 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
     tide_sm = executor.stats().reduce_cta_us;
     executor.enable_stats(false);
     const int runs = runs_to_cover([&] { executor.run(program, bindings); });
-    std::tie(beside_tide, tide_overlapped) = gemm_beside(gemm, iters, done, [&] {
+    beside_tide = gemm_beside(gemm, iters, done, [&] {
       for (int i = 0; i < runs; ++i) executor.run(program, bindings);
       BCHECK(cudaEventRecord(done, background));
     });
@@ -984,7 +1012,7 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
                "ncclReduceScatter");
   };
   const int nccl_runs = runs_to_cover(nccl_once);
-  const auto [beside_nccl, nccl_overlapped] = gemm_beside(gemm, iters, done, [&] {
+  const Beside beside_nccl = gemm_beside(gemm, iters, done, [&] {
     for (int i = 0; i < nccl_runs; ++i) nccl_once();
     BCHECK(cudaEventRecord(done, background));
   });
@@ -994,42 +1022,49 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
 
   StandIn stand_in(background);
   const int launches = runs_to_cover([&] { stand_in.launch(background); });
-  const auto [beside_stand_in, stand_in_overlapped] = gemm_beside(gemm, iters, done, [&] {
+  const Beside beside_stand_in = gemm_beside(gemm, iters, done, [&] {
     for (int i = 0; i < launches; ++i) stand_in.launch(background);
     BCHECK(cudaEventRecord(done, background));
   });
   BCHECK(cudaStreamSynchronize(background));
 
-  char mine[160];
-  std::snprintf(mine, sizeof mine, "%.3f %.3f %.3f %.3f %d %d %d %.1f", gemm.alone_us, beside_tide,
-                beside_nccl, beside_stand_in, tide_overlapped, nccl_overlapped, stand_in_overlapped,
-                tide_sm);
+  // Every rank's figures; the slowest rank's (per background, by median) are reported.
+  char mine[256];
+  std::snprintf(mine, sizeof mine, "%.1f", tide_sm);
+  for (const Beside& b : {alone, beside_tide, beside_nccl, beside_stand_in})
+    std::snprintf(mine + std::strlen(mine), sizeof mine - std::strlen(mine), " %.3f %.3f %d",
+                  b.median_us, b.mean_us, int(b.overlapped));
   const auto all = bootstrap.allgather(mine);
   BCHECK(cudaStreamDestroy(background));
   if (rank != 0) return;
-  double alone = 0, tide = 0, nccl_us = 0, stand = 0, sm = 0;
-  bool ov_tide = true, ov_nccl = true, ov_stand = true;
+  double sm = 0;
+  std::vector<Beside> worst(4);
   for (const std::string& x : all) {
-    double a = 0, t = 0, n = 0, st = 0, m = 0;
-    int o1 = 0, o2 = 0, o3 = 0;
-    std::sscanf(x.c_str(), "%lf %lf %lf %lf %d %d %d %lf", &a, &t, &n, &st, &o1, &o2, &o3, &m);
-    alone = std::max(alone, a), tide = std::max(tide, t), nccl_us = std::max(nccl_us, n);
-    stand = std::max(stand, st), sm += m;
-    ov_tide &= o1 != 0, ov_nccl &= o2 != 0, ov_stand &= o3 != 0;
+    std::istringstream in(x);
+    double m = 0;
+    in >> m;
+    sm += m;
+    for (Beside& w : worst) {
+      Beside b;
+      int overlapped = 0;
+      in >> b.median_us >> b.mean_us >> overlapped;
+      b.overlapped = overlapped != 0;
+      if (b.median_us > w.median_us) w = b;
+    }
   }
   auto overlap = [](bool ok) { return ok ? "overlapped" : "WARNING: background ended before the GEMMs"; };
   print_interference_header(gemm, iters, detail::concat(" (", world, " GPUs, one rank each)"));
   char note[200];
-  std::snprintf(note, sizeof note, "%.0f TFLOP/s (slowest rank)", gemm.tflops(alone));
-  print_interference_row("alone", alone, alone, note);
+  std::snprintf(note, sizeof note, "%.0f TFLOP/s (slowest rank)", gemm.tflops(worst[0].median_us));
+  print_interference_row("alone", worst[0], worst[0], note);
   std::snprintf(note, sizeof note, "RS of 256 MiB bf16/rank -> fp32, reduce %.0f CTA*us per RS (all ranks); %s",
-                sm, overlap(ov_tide));
-  print_interference_row(detail::concat("beside TIDE-RS (W=", world, ", NVLink)"), tide, alone, note);
+                sm, overlap(worst[1].overlapped));
+  print_interference_row(detail::concat("beside TIDE-RS (W=", world, ", NVLink)"), worst[1], worst[0], note);
   std::snprintf(note, sizeof note, "same gradient as an fp32 buffer, avg, NCCL %s; %s",
-                nccl.version_string().c_str(), overlap(ov_nccl));
-  print_interference_row(detail::concat("beside ncclReduceScatter fp32 (W=", world, ")"), nccl_us,
-                         alone, note);
-  print_interference_row("beside 16-CTA reduce kernel", stand, alone, overlap(ov_stand));
+                nccl.version_string().c_str(), overlap(worst[2].overlapped));
+  print_interference_row(detail::concat("beside ncclReduceScatter fp32 (W=", world, ")"), worst[2],
+                         worst[0], note);
+  print_interference_row("beside 16-CTA reduce kernel", worst[3], worst[0], overlap(worst[3].overlapped));
 }
 
 bool run_interference(const Args& args) {
@@ -1082,6 +1117,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--warmup") args.warmup = std::stoi(value());
     else if (a == "--quick") args.quick = true;
     else if (a == "--nodes") args.nodes = std::stoi(value());
+    else if (a == "--chunk-mib") args.chunk_mib = std::stoul(value());
     else throw std::runtime_error("unknown option " + a + " (see the comment atop bench_cuda.cpp)");
   }
   (void)results_path();  // created here, before any fork, so every child appends to the same file
