@@ -75,9 +75,15 @@ inline bool read_file(const std::string& path, std::string& out) {
 // "ok" or "<exception type>: <what>". Returns the reports; a rank that exits without one reports
 // "no result (...)", one still running after `deadline` is killed and reports so. The parent
 // process never calls CUDA (a fork()ed child of a CUDA process cannot use CUDA).
+// The default deadline is 100 s, or TIDE_GPU_TEST_DEADLINE_S (compute-sanitizer runs are slow).
+inline std::chrono::seconds default_rank_deadline() {
+  const char* env = std::getenv("TIDE_GPU_TEST_DEADLINE_S");
+  return std::chrono::seconds(env && *env ? std::atoi(env) : 100);
+}
+
 inline std::vector<std::string> run_rank_processes(
     const std::string& dir, int world, const std::function<void(int, Bootstrap&)>& body,
-    std::chrono::seconds deadline = std::chrono::seconds(100)) {
+    std::chrono::seconds deadline = default_rank_deadline()) {
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     const pid_t pid = ::fork();

@@ -83,7 +83,19 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
             CHECK_CUDA(cudaMemsetAsync(outputs[j][i].ptr, 0x77, d.outputs[i].size(), stream));
           bindings.outputs.push_back(outputs[j][i].ptr);
         }
+        // Ranks as threads: no pageable copy while a peer's stream waits. A pageable copy blocks
+        // its thread inside the driver until its stream gets there, and (as seen on an H200,
+        // mechanism unconfirmed) another thread's pageable copy then waits for it, so a rank that
+        // has not signalled yet never does. Barriers keep copies and collectives apart.
+        if (ranks_are_threads) {
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          bootstrap.barrier();
+        }
         executor.run(plan(s, layout, inv, rank), bindings);
+        if (ranks_are_threads) {
+          executor.synchronize();
+          bootstrap.barrier();
+        }
         std::vector<std::byte> capture;
         if (inv.collective == Collective::kAllGather) {
           CHECK_CUDA(cudaMemcpyAsync(window_bytes.data(), window->data(rank), window_bytes.size(),
