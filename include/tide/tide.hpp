@@ -9,6 +9,7 @@
 //   tide.hpp       AllGather / ReduceScatter: a planned collective bound to an executor
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 
@@ -22,12 +23,16 @@
 
 namespace tide {
 
-// TIDE-AG for one bucket on one rank. Planned once; run every step.
+// TIDE-AG for one bucket on one rank. Planned once; run every step. Across nodes
+// (layout.topology().nodes > 1) the program has network ops: run it on an executor with a network
+// transport (HostExecutor; CudaExecutor with an NcclComm), pacing as `net` says.
 class AllGather {
  public:
-  AllGather(const BucketLayout& layout, int rank, uint32_t bucket = 0)
-      : program_(plan_all_gather(layout, rank, bucket)) {}
+  AllGather(const BucketLayout& layout, int rank, uint32_t bucket = 0, const NetOptions& net = {})
+      : program_(plan_all_gather(layout, rank, bucket, net)) {}
   const Program& program() const { return program_; }
+  // Bytes of window this collective needs per rank: create the window with at least this.
+  std::size_t window_bytes() const { return program_.window_bytes; }
   // shards[i]: this rank's valid rows of param i (shard_dtype). Afterwards every rank's window holds
   // every param whole, at layout.param(i).window_offset.
   void run(Executor& executor, std::span<const void* const> shards) const {
@@ -40,12 +45,14 @@ class AllGather {
 
 // TIDE-RS for one bucket on one rank. grads[i]: the full gradient of param i (the window's dtype);
 // outputs[i]: this rank's valid rows of param i (shard_dtype), overwritten or accumulated into.
+// Across nodes the window also holds the fixed fp32 staging ring: use window_bytes().
 class ReduceScatter {
  public:
   ReduceScatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
-                uint32_t bucket = 0)
-      : program_(plan_reduce_scatter(layout, rank, options, bucket)) {}
+                uint32_t bucket = 0, const NetOptions& net = {})
+      : program_(plan_reduce_scatter(layout, rank, options, bucket, net)) {}
   const Program& program() const { return program_; }
+  std::size_t window_bytes() const { return program_.window_bytes; }
   void run(Executor& executor, std::span<const void* const> grads,
            std::span<void* const> outputs) const {
     executor.run(program_, Bindings{{grads.begin(), grads.end()}, {outputs.begin(), outputs.end()}});

@@ -8,6 +8,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include "tide/nccl.hpp"
 #include "tide/tide.hpp"
 #if TIDE_WITH_CUDA
 #include "tide/cuda.hpp"
@@ -151,7 +152,20 @@ NB_MODULE(_tide, m) {
       .def_rw("postscale", &ReduceOptions::postscale)
       .def_rw("accumulate", &ReduceOptions::accumulate);
 
+  nb::class_<NetOptions>(m, "NetOptions")
+      .def("__init__", [](NetOptions* o, std::size_t chunk_bytes, int max_chunks_in_flight,
+                          int ring_depth, bool rs_recursive_halving) {
+        new (o) NetOptions{chunk_bytes, max_chunks_in_flight, ring_depth, rs_recursive_halving};
+      }, "chunk_bytes"_a = NetOptions{}.chunk_bytes,
+         "max_chunks_in_flight"_a = NetOptions{}.max_chunks_in_flight,
+         "ring_depth"_a = NetOptions{}.ring_depth, "rs_recursive_halving"_a = false)
+      .def_rw("chunk_bytes", &NetOptions::chunk_bytes)
+      .def_rw("max_chunks_in_flight", &NetOptions::max_chunks_in_flight)
+      .def_rw("ring_depth", &NetOptions::ring_depth)
+      .def_rw("rs_recursive_halving", &NetOptions::rs_recursive_halving);
+
   nb::class_<Program>(m, "Program")
+      .def_ro("window_bytes", &Program::window_bytes)
       .def_ro("collective", &Program::collective)
       .def_ro("rank", &Program::rank)
       .def_ro("world", &Program::world)
@@ -160,14 +174,17 @@ NB_MODULE(_tide, m) {
       .def("bytes_pushed", &Program::bytes_pushed)
       .def("to_string", &Program::to_string)
       .def("__str__", &Program::to_string);
+  // Across nodes (layout.topology.nodes > 1) the programs carry network ops; size windows from
+  // program.window_bytes (a reduce-scatter's adds its staging ring).
   m.def("plan_all_gather",
-        [](const BucketLayout& l, int rank, uint32_t bucket) { return plan_all_gather(l, rank, bucket); },
-        "layout"_a, "rank"_a, "bucket"_a = 0);
-  m.def("plan_reduce_scatter",
-        [](const BucketLayout& l, int rank, const ReduceOptions& o, uint32_t bucket) {
-          return plan_reduce_scatter(l, rank, o, bucket);
+        [](const BucketLayout& l, int rank, uint32_t bucket, const NetOptions& net) {
+          return plan_all_gather(l, rank, bucket, net);
         },
-        "layout"_a, "rank"_a, "options"_a = ReduceOptions{}, "bucket"_a = 0);
+        "layout"_a, "rank"_a, "bucket"_a = 0, "net"_a = NetOptions{});
+  m.def("plan_reduce_scatter",
+        [](const BucketLayout& l, int rank, const ReduceOptions& o, uint32_t bucket,
+           const NetOptions& net) { return plan_reduce_scatter(l, rank, o, bucket, net); },
+        "layout"_a, "rank"_a, "options"_a = ReduceOptions{}, "bucket"_a = 0, "net"_a = NetOptions{});
   m.def("verify_programs", &verify_programs, "layout"_a, "programs"_a);
   m.def("default_timeout_ms", [] { return default_timeout().count(); });
 
@@ -216,8 +233,14 @@ NB_MODULE(_tide, m) {
 #if TIDE_WITH_CUDA
   m.attr("cuda_built") = true;
   m.def("cuda_device_available", &cuda_device_available);
+  m.def("cuda_device_count", &cuda_device_count);
   nb::class_<CudaWindow>(m, "CudaWindow")
-      .def_static("create", &CudaWindow::create, "bootstrap"_a, "data_bytes"_a,
+      .def_static("create",
+                  [](Bootstrap& b, std::size_t data_bytes, std::optional<Topology> topology) {
+                    return CudaWindow::create(b, data_bytes,
+                                              topology ? *topology : Topology::single_node(b.world()));
+                  },
+                  "bootstrap"_a, "data_bytes"_a, "topology"_a = nb::none(),
                   nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("rank", &CudaWindow::rank)
       .def_prop_ro("world", &CudaWindow::world)
@@ -234,9 +257,11 @@ NB_MODULE(_tide, m) {
       .def_ro("kernel_launches", &CudaExecutor::Stats::kernel_launches);
   nb::class_<CudaExecutor>(m, "CudaExecutor")
       .def("__init__", [](CudaExecutor* e, CudaWindow& w, uintptr_t stream,
-                          std::optional<int64_t> timeout_ms) {
-        new (e) CudaExecutor(w, reinterpret_cast<void*>(stream), timeout_or_default(timeout_ms));
-      }, "window"_a, "stream"_a, "timeout_ms"_a = nb::none(), nb::keep_alive<1, 2>())
+                          std::optional<int64_t> timeout_ms, NcclComm* network) {
+        new (e) CudaExecutor(w, reinterpret_cast<void*>(stream), timeout_or_default(timeout_ms),
+                             network);
+      }, "window"_a, "stream"_a, "timeout_ms"_a = nb::none(), "network"_a = nb::none(),
+         nb::keep_alive<1, 2>(), nb::keep_alive<1, 5>())
       .def_prop_ro("rank", &CudaExecutor::rank)
       .def_prop_ro("world", &CudaExecutor::world)
       .def("set_stream", [](CudaExecutor& e, uintptr_t s) { e.set_stream(reinterpret_cast<void*>(s)); })
@@ -253,5 +278,18 @@ NB_MODULE(_tide, m) {
 #else
   m.attr("cuda_built") = false;
   m.def("cuda_device_available", [] { return false; });
+  m.def("cuda_device_count", [] { return 0; });
 #endif
+  // NCCL (the network transport across nodes), loaded at run time; raises RuntimeError naming
+  // where it looked when there is none.
+  m.def("nccl_version", [] { return NcclLibrary::get().version_string(); });
+  m.def("nccl_path", [] { return NcclLibrary::get().path(); });
+  nb::class_<NcclComm>(m, "NcclComm")
+      .def_static("create", &NcclComm::create, "bootstrap"_a,
+                  nb::call_guard<nb::gil_scoped_release>())
+      .def_static("wrap", [](uintptr_t comm) { return NcclComm::wrap(reinterpret_cast<void*>(comm)); },
+                  "comm"_a)
+      .def_prop_ro("rank", &NcclComm::rank)
+      .def_prop_ro("world", &NcclComm::world)
+      .def_prop_ro("device", &NcclComm::device);
 }

@@ -286,3 +286,33 @@ TEST(MultinodeExec, DeadRailPeerIsNoticedByTheNetworkWait) {
 
 }  // namespace
 }  // namespace tide
+
+namespace tide {
+namespace {
+
+// The public AllGather / ReduceScatter classes across nodes: they plan with the network, size the
+// window from the program (the reduce-scatter's adds the staging ring), and run on the host.
+TEST(MultinodeExec, ApiClassesSizeTheirWindowsAndRun) {
+  const BucketLayout layout({{"w", {37, 24}}, {"b", {5}}}, Topology{2, 2});
+  const NetOptions net{256, 2, 2};
+  const ReduceOptions options;
+  EXPECT_EQ(AllGather(layout, 0, 1, net).window_bytes(), layout.window_bytes());
+  EXPECT_GT(ReduceScatter(layout, 0, options, 2, net).window_bytes(), layout.window_bytes());
+  std::vector<std::string> wrong(layout.world());
+  test::run_threads(layout.world(), [&](int rank, Bootstrap& bootstrap) {
+    const AllGather ag(layout, rank, 1, net);
+    const ReduceScatter rs(layout, rank, options, 2, net);
+    auto window = HostWindow::create(bootstrap, std::max(ag.window_bytes(), rs.window_bytes()));
+    HostExecutor executor(*window, std::chrono::milliseconds(20000));
+    test::RankBuffers a(layout, Collective::kAllGather, rank, 31);
+    ag.run(executor, a.bindings.inputs);
+    wrong[rank] = test::check_result(layout, Collective::kAllGather, rank, 31, window->data(rank), a);
+    test::RankBuffers r(layout, Collective::kReduceScatter, rank, 32);
+    rs.run(executor, r.bindings.inputs, r.bindings.outputs);
+    wrong[rank] += test::check_result(layout, Collective::kReduceScatter, rank, 32, window->data(rank), r);
+  });
+  for (int r = 0; r < layout.world(); ++r) EXPECT_EQ(wrong[r], "") << "rank " << r;
+}
+
+}  // namespace
+}  // namespace tide

@@ -1,6 +1,9 @@
 """The Python layer over the C++ core: layouts, plans, errors, and the host executor with ranks as
 threads (the GIL is released while ranks wait on each other)."""
 
+import os
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -162,3 +165,42 @@ def test_demo_runs_and_checks_itself(capsys):
     from tide import demo
     assert demo.main(["--world", "2", "--hidden", "64"]) == 0
     assert "all checks passed" in capsys.readouterr().out
+
+
+def test_multinode_plans_run_on_the_host_transport():
+    """Across nodes from Python: net options, network ops in the programs, windows sized from
+    program.window_bytes (the reduce-scatter's staging), run on the host executor (virtual nodes)."""
+    layout = tide.BucketLayout([tide.ParamSpec("w", [9, 8], tide.DType.fp32, tide.DType.fp32)],
+                               tide.Topology(2, 2))
+    net = tide.NetOptions(chunk_bytes=64)
+    ags = [tide.plan_all_gather(layout, r, 1, net) for r in range(4)]
+    rss = [tide.plan_reduce_scatter(layout, r, tide.ReduceOptions(kind=tide.ReduceKind.sum), 2, net)
+           for r in range(4)]
+    tide.verify_programs(layout, ags)
+    tide.verify_programs(layout, rss)
+    assert "net send" in str(rss[0]) and rss[0].window_bytes > layout.window_bytes == ags[0].window_bytes
+    w = layout.params[0]
+    grads = [np.arange(72, dtype=np.float32) * (r + 1) for r in range(4)]
+
+    def rank(r, boot):
+        window = tide.HostWindow.create(boot, rss[r].window_bytes)
+        executor = tide.HostExecutor(window)
+        out = np.zeros(w.valid_rows(r) * 8, dtype=np.float32)
+        executor.run(rss[r], [grads[r].ctypes.data], [out.ctypes.data])
+        return out
+
+    results, errors = run_ranks(4, rank)
+    assert errors == [None] * 4
+    full = sum(grads)
+    for r in range(4):
+        start = r * w.rows_per_rank * 8
+        np.testing.assert_array_equal(results[r], full[start:start + results[r].size])
+
+
+def test_missing_nccl_is_a_clear_error():
+    env = dict(os.environ, TIDE_NCCL_LIB="/nonexistent/libnccl.so.2")
+    code = ("import tide\ntry:\n    tide.nccl_version()\nexcept RuntimeError as e:\n"
+            "    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "ERR NCCL not found" in out and "/nonexistent/libnccl.so.2" in out
