@@ -61,4 +61,13 @@ class ThreadBootstrap final : public Bootstrap {
   long round_ = 0;
 };
 
+// Passes file descriptors between the ranks of `bootstrap` (processes of one machine): every rank
+// offers `mine` and receives a duplicate of the descriptor of each rank in `from` (in that order;
+// the caller owns and closes them). Unix domain sockets in the abstract namespace with SCM_RIGHTS,
+// names exchanged over the bootstrap; no ptrace permission needed. Collective: every rank calls
+// it, each with its own `from` (possibly empty). Throws TimeoutError naming the rank that did not
+// answer within `timeout`, SystemError for socket failures.
+std::vector<int> exchange_fds(Bootstrap& bootstrap, int mine, const std::vector<int>& from,
+                              std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
 }  // namespace tide
