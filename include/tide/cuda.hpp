@@ -32,8 +32,17 @@ bool cuda_device_available();
 // The number of CUDA devices, asked the same way (0 without a driver or a device).
 int cuda_device_count();
 
-// A window in device memory: [data (data_bytes, rounded up to 256 B)][FlagWord flags[2][W]] per
-// rank in one cudaMalloc, on the device current when create() is called. Flags start zeroed.
+// How a CudaWindow's memory is allocated and shared.
+enum class CudaMemory : uint8_t {
+  kMalloc,  // cudaMalloc, peers open it with CUDA IPC (ranks as processes or threads)
+  kVmm,     // cuMemCreate + cuMemMap, peers import it from a POSIX file descriptor passed with
+            // exchange_fds (ranks as processes only); its data can also be mapped at a fixed
+            // address of the owner's (CudaAddressRange): what tide.fsdp needs on GPUs
+};
+
+// A window in device memory: [data (data_bytes, rounded up to 256 B, or to the allocation
+// granularity for kVmm)][FlagWord flags[2][W]] per rank in one allocation, on the device current
+// when create() is called. Flags start zeroed.
 class CudaWindow {
  public:
   // Collective over `bootstrap`: every rank calls it with the same data_bytes (checked). Peers
@@ -42,7 +51,8 @@ class CudaWindow {
   // Across nodes (topology.world() == the bootstrap's world): only the ranks of this rank's node
   // are mapped (data(r) of another node's rank throws); the network reaches the others.
   static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes,
-                                            const Topology& topology);
+                                            const Topology& topology,
+                                            CudaMemory memory = CudaMemory::kMalloc);
   // Unmaps the peers and frees this rank's memory. Destroy it only after every rank is done with
   // the window (synchronize the executors, then a bootstrap barrier), or peers write into freed
   // memory. cudaMalloc/cudaFree may wait for the whole device: with ranks as threads of one
@@ -56,6 +66,7 @@ class CudaWindow {
   int world() const { return world_; }
   int device() const { return device_; }
   std::size_t data_bytes() const { return data_bytes_; }
+  CudaMemory memory() const { return memory_; }
   std::byte* data(int rank) const;   // rank's data, as a device pointer valid in this process
   FlagWord* flags(int rank) const;   // rank's flag array, as a device pointer valid in this process
   // Epochs count collectives run on this window; they never reset.
@@ -63,11 +74,15 @@ class CudaWindow {
   uint64_t epoch() const { return epoch_; }
 
  private:
+  friend class CudaAddressRange;
   CudaWindow() = default;
   struct Peer {
     std::byte* base = nullptr;
     bool ipc_opened = false;  // true: close with cudaIpcCloseMemHandle; false: own or same process
+    unsigned long long vmm_handle = 0;  // kVmm: the allocation handle (own or imported)
   };
+  CudaMemory memory_ = CudaMemory::kMalloc;
+  std::size_t mapped_bytes_ = 0;  // kVmm: bytes of each rank's allocation (granularity multiple)
   int rank_ = 0;
   int world_ = 0;
   int device_ = 0;
@@ -76,6 +91,34 @@ class CudaWindow {
   std::size_t flag_offset_ = 0;
   std::vector<Peer> peers_;
   uint64_t epoch_ = 0;
+};
+
+// A fixed device address range that shows a VMM window's data: reserve it once per bucket, then
+// map the data of whichever pooled window holds the bucket now. Tensors viewing data() stay valid
+// across remaps (autograd's saved views of unsharded params: DESIGN.md §5). Map and unmap only
+// while no work on the range or the window is in flight.
+class CudaAddressRange {
+ public:
+  // Reserves `bytes` of address space on the current device, rounded up to its allocation
+  // granularity; nothing is mapped yet.
+  explicit CudaAddressRange(std::size_t bytes);
+  ~CudaAddressRange();
+  CudaAddressRange(const CudaAddressRange&) = delete;
+  CudaAddressRange& operator=(const CudaAddressRange&) = delete;
+
+  std::byte* data() const { return base_; }
+  std::size_t bytes() const { return bytes_; }
+  const CudaWindow* mapped() const { return mapped_; }
+  // Maps the first bytes() of `window`'s own data (a kVmm window of this process, on this range's
+  // device, whose data region is at least bytes()) at data(), replacing an earlier mapping.
+  void map_data_of(const CudaWindow& window);
+  void unmap();
+
+ private:
+  std::byte* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  int device_ = 0;
+  const CudaWindow* mapped_ = nullptr;
 };
 
 // Runs programs on a CUDA stream. run() is asynchronous: it validates, then enqueues and returns.

@@ -1,10 +1,15 @@
-// CudaWindow: one cudaMalloc per rank, [data (rounded up to 256 B)][FlagWord flags[2][W]], mapped
-// into every peer with CUDA IPC. Compiled into tide_cuda (tide_core stays free of CUDA).
+// CudaWindow: one allocation per rank, [data][FlagWord flags[2][W]], mapped into every peer of its
+// node; CudaAddressRange: a fixed address showing a VMM window's data. Compiled into tide_cuda
+// (tide_core stays free of CUDA).
 //
-// Handle exchanged over the bootstrap, one line per rank:
-//   "<data_bytes> <process token> <device> <base pointer> <cudaIpcMemHandle_t as hex>"
-// A peer with this process's token is a thread of this process: its pointer is used as is (CUDA
-// refuses to open a process's own IPC handle); such peers must be on the same device.
+// kMalloc: cudaMalloc, data rounded up to 256 B, shared with CUDA IPC. A peer with this process's
+// token is a thread of this process: its pointer is used as is (CUDA refuses to open a process's
+// own IPC handle); such peers must be on the same device.
+// kVmm: cuMemCreate (POSIX file descriptor handle), data rounded up to the allocation granularity,
+// mapped with cuMemMap; peers import the descriptor passed by exchange_fds and map it themselves.
+//
+// Exchanged over the bootstrap, one line per rank:
+//   "<data_bytes> <process token> <device> <base pointer> <kind 0|1> <cudaIpcMemHandle_t as hex | ->"
 #include <unistd.h>
 
 #include <cinttypes>
@@ -14,6 +19,7 @@
 #include <string>
 
 #include "cuda_check.hpp"
+#include "driver_api.hpp"
 #include "tide/cuda.hpp"
 #include "tide/error.hpp"
 
@@ -70,8 +76,63 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   return create(bootstrap, data_bytes, Topology::single_node(bootstrap.world()));
 }
 
+namespace {
+
+CUmemAllocationProp vmm_properties(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+std::size_t vmm_granularity(int device) {
+  const auto& api = cuda_detail::driver_api();
+  int supported = 0;
+  TIDE_CU_CHECK(api.device_get_attribute(
+      &supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device));
+  if (!supported)
+    throw SystemError(detail::concat("CUDA device ", device, " cannot export VMM allocations as "
+                                     "POSIX file descriptors (needed by CudaMemory::kVmm)"));
+  const CUmemAllocationProp prop = vmm_properties(device);
+  std::size_t granularity = 0;
+  TIDE_CU_CHECK(api.mem_get_granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  return granularity;
+}
+
+// Reserves `bytes` of address space and maps `handle` there, readable and writable from `device`.
+std::byte* map_vmm(CUmemGenericAllocationHandle handle, std::size_t bytes, std::size_t granularity,
+                   int device) {
+  const auto& api = cuda_detail::driver_api();
+  CUdeviceptr va = 0;
+  TIDE_CU_CHECK(api.mem_address_reserve(&va, bytes, granularity, 0, 0));
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUresult status = api.mem_map(va, bytes, 0, handle, 0);
+  if (status == CUDA_SUCCESS) {
+    status = api.mem_set_access(va, bytes, &access, 1);
+    if (status != CUDA_SUCCESS) (void)api.mem_unmap(va, bytes);
+  }
+  if (status != CUDA_SUCCESS) {
+    (void)api.mem_address_free(va, bytes);
+    TIDE_CU_CHECK(status);
+  }
+  return reinterpret_cast<std::byte*>(va);
+}
+
+void unmap_vmm(std::byte* base, std::size_t bytes) {
+  const auto& api = cuda_detail::driver_api();
+  (void)api.mem_unmap(reinterpret_cast<CUdeviceptr>(base), bytes);
+  (void)api.mem_address_free(reinterpret_cast<CUdeviceptr>(base), bytes);
+}
+
+}  // namespace
+
 std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t data_bytes,
-                                               const Topology& topology) {
+                                               const Topology& topology, CudaMemory memory) {
   const char* where = "CudaWindow::create";
   const int rank = bootstrap.rank();
   const int world = bootstrap.world();
@@ -79,70 +140,126 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   TIDE_CHECK_ARG(topology.nodes >= 1 && topology.local >= 1 && topology.world() == world, where,
                  "topology", detail::concat(topology.nodes, " nodes x ", topology.local, " local"),
                  detail::concat(world, " ranks in all (the bootstrap's world)"));
+  const bool vmm = memory == CudaMemory::kVmm;
 
   std::unique_ptr<CudaWindow> window(new CudaWindow());
   window->rank_ = rank;
   window->world_ = world;
   window->data_bytes_ = data_bytes;
-  window->flag_offset_ = round_up(data_bytes, kDataAlignment);
+  window->memory_ = memory;
   window->peers_.assign(world, Peer{});
   window->topology_ = topology;
   TIDE_CUDA_CHECK(cudaGetDevice(&window->device_));
+  const int device = window->device_;
 
-  const std::size_t total = window->flag_offset_ + flag_array_bytes(world);
-  void* base = nullptr;
-  TIDE_CUDA_CHECK(cudaMalloc(&base, total));
-  window->peers_[rank].base = static_cast<std::byte*>(base);  // owned: freed by the destructor
+  // Own memory (freed by the destructor once recorded in peers_[rank]).
+  std::size_t granularity = 0;
+  int own_fd = -1;
+  cudaIpcMemHandle_t handle{};
+  if (vmm) {
+    const auto& api = cuda_detail::driver_api();
+    granularity = vmm_granularity(device);
+    window->flag_offset_ = round_up(data_bytes, granularity);
+    window->mapped_bytes_ = window->flag_offset_ + round_up(flag_array_bytes(world), granularity);
+    const CUmemAllocationProp prop = vmm_properties(device);
+    CUmemGenericAllocationHandle own = 0;
+    TIDE_CU_CHECK(api.mem_create(&own, window->mapped_bytes_, &prop, 0));
+    window->peers_[rank].vmm_handle = own;
+    window->peers_[rank].base = map_vmm(own, window->mapped_bytes_, granularity, device);
+    TIDE_CU_CHECK(api.mem_export(&own_fd, own, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  } else {
+    window->flag_offset_ = round_up(data_bytes, kDataAlignment);
+    void* base = nullptr;
+    TIDE_CUDA_CHECK(cudaMalloc(&base, window->flag_offset_ + flag_array_bytes(world)));
+    window->peers_[rank].base = static_cast<std::byte*>(base);
+    TIDE_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
+  }
+  struct CloseFd {
+    int& fd;
+    ~CloseFd() {
+      if (fd >= 0) ::close(fd);
+    }
+  } close_own_fd{own_fd};
+  std::byte* const base = window->peers_[rank].base;
+  TIDE_CHECK_ARG(reinterpret_cast<uintptr_t>(base) % kDataAlignment == 0, where, "window base",
+                 static_cast<void*>(base), detail::concat("aligned to ", kDataAlignment, " B"));
   // Flags must read zero before any peer can signal into them: zero, and wait, before the
   // handles are published. A private stream, not cudaDeviceSynchronize: other ranks of this
   // process (threads) may have streams blocked on flags, and a device-wide wait would join them.
   cudaStream_t zeroing = nullptr;
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking));
-  const cudaError_t zeroed = cudaMemsetAsync(window->peers_[rank].base + window->flag_offset_, 0,
-                                             flag_array_bytes(world), zeroing);
+  const cudaError_t zeroed =
+      cudaMemsetAsync(base + window->flag_offset_, 0, flag_array_bytes(world), zeroing);
   const cudaError_t synced = zeroed == cudaSuccess ? cudaStreamSynchronize(zeroing) : zeroed;
   (void)cudaStreamDestroy(zeroing);
   TIDE_CUDA_CHECK(synced);
-  TIDE_CHECK_ARG(reinterpret_cast<uintptr_t>(base) % kDataAlignment == 0, where, "cudaMalloc base",
-                 base, detail::concat("aligned to ", kDataAlignment, " B"));
 
-  cudaIpcMemHandle_t handle;
-  TIDE_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
   char head[160];
-  std::snprintf(head, sizeof head, "%zu %" PRIu64 " %d %" PRIxPTR " ", data_bytes,
-                process_token(), window->device_, reinterpret_cast<uintptr_t>(base));
-  const std::vector<std::string> all =
-      bootstrap.allgather(std::string(head) + to_hex(&handle, sizeof handle));
+  std::snprintf(head, sizeof head, "%zu %" PRIu64 " %d %" PRIxPTR " %d ", data_bytes,
+                process_token(), device, reinterpret_cast<uintptr_t>(base), vmm ? 1 : 0);
+  const std::vector<std::string> all = bootstrap.allgather(
+      std::string(head) + (vmm ? std::string("-") : to_hex(&handle, sizeof handle)));
 
+  std::vector<int> node_peers;
   for (int r = 0; r < world; ++r) {
     if (r == rank || topology.node_of(r) != topology.node_of(rank)) continue;
     std::size_t theirs = 0;
     uint64_t token = 0;
-    int device = 0;
+    int peer_device = 0, kind = 0;
     uintptr_t pointer = 0;
     char hex[2 * sizeof(cudaIpcMemHandle_t) + 2] = {};
-    cudaIpcMemHandle_t peer_handle;
-    if (std::sscanf(all[r].c_str(), "%zu %" SCNu64 " %d %" SCNxPTR " %129s", &theirs, &token,
-                    &device, &pointer, hex) != 5 ||
-        !from_hex(hex, &peer_handle, sizeof peer_handle))
+    if (std::sscanf(all[r].c_str(), "%zu %" SCNu64 " %d %" SCNxPTR " %d %129s", &theirs, &token,
+                    &peer_device, &pointer, &kind, hex) != 6)
       throw InvalidArgument(detail::concat(where, ": rank ", r, " sent a malformed handle '",
                                            all[r], "', expected '<bytes> <token> <device> "
-                                           "<pointer> <128 hex digits>'"));
+                                           "<pointer> <kind> <handle>'"));
     TIDE_CHECK_ARG(theirs == data_bytes, where, detail::concat("data_bytes of rank ", r), theirs,
                    detail::concat(data_bytes, " (rank ", rank, "'s)"));
+    TIDE_CHECK_ARG(kind == (vmm ? 1 : 0), where, detail::concat("memory kind of rank ", r),
+                   kind ? "kVmm" : "kMalloc", vmm ? "kVmm (rank's own)" : "kMalloc (rank's own)");
     if (token == process_token()) {
       // Ranks as threads of one process on different GPUs failed once on an H200 pair with an
       // "unspecified launch failure" (2026-11-30, not investigated): refused until it is.
-      TIDE_CHECK_ARG(device == window->device_, where, detail::concat("device of rank ", r), device,
-                     detail::concat(window->device_, " (rank ", rank, "'s: ranks that are threads "
+      TIDE_CHECK_ARG(!vmm, where, "memory", "kVmm",
+                     "kMalloc for ranks that are threads of one process (VMM windows pass file "
+                     "descriptors between processes)");
+      TIDE_CHECK_ARG(peer_device == device, where, detail::concat("device of rank ", r),
+                     peer_device,
+                     detail::concat(device, " (rank ", rank, "'s: ranks that are threads "
                                     "of one process must share a GPU; use processes across GPUs)"));
       window->peers_[r].base = reinterpret_cast<std::byte*>(pointer);
+    } else if (vmm) {
+      node_peers.push_back(r);
     } else {
+      cudaIpcMemHandle_t peer_handle;
+      if (!from_hex(hex, &peer_handle, sizeof peer_handle))
+        throw InvalidArgument(detail::concat(where, ": rank ", r, " sent a malformed IPC handle '",
+                                             hex, "', expected 128 hex digits"));
       void* mapped = nullptr;
       TIDE_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, peer_handle, cudaIpcMemLazyEnablePeerAccess));
       window->peers_[r].base = static_cast<std::byte*>(mapped);
       window->peers_[r].ipc_opened = true;
     }
+  }
+  if (vmm) {
+    // Collective: every rank calls it (ranks of other nodes, or alone, with no peers to ask).
+    const std::vector<int> fds = exchange_fds(bootstrap, own_fd, node_peers);
+    const auto& api = cuda_detail::driver_api();
+    std::exception_ptr failure;
+    for (std::size_t k = 0; k < fds.size(); ++k) {
+      try {
+        if (failure) continue;
+        CUmemGenericAllocationHandle imported = 0;
+        TIDE_CU_CHECK(api.mem_import(&imported, reinterpret_cast<void*>(static_cast<uintptr_t>(fds[k])),
+                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+        window->peers_[node_peers[k]].vmm_handle = imported;
+        window->peers_[node_peers[k]].base = map_vmm(imported, window->mapped_bytes_, granularity, device);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    for (int fd : fds) ::close(fd);
+    if (failure) std::rethrow_exception(failure);
   }
   bootstrap.barrier();  // every rank has mapped every window before anyone may signal
   return window;
@@ -152,9 +269,16 @@ CudaWindow::~CudaWindow() {
   // Errors are ignored here: a destructor must not throw, and a dead peer's mapping may already
   // be gone.
   for (int r = 0; r < static_cast<int>(peers_.size()); ++r) {
-    if (peers_[r].ipc_opened) (void)cudaIpcCloseMemHandle(peers_[r].base);
+    Peer& p = peers_[r];
+    if (p.vmm_handle != 0) {
+      if (p.base) unmap_vmm(p.base, mapped_bytes_);
+      (void)cuda_detail::driver_api().mem_release(p.vmm_handle);
+    } else if (p.ipc_opened) {
+      (void)cudaIpcCloseMemHandle(p.base);
+    } else if (r == rank_ && p.base) {
+      (void)cudaFree(p.base);
+    }
   }
-  if (rank_ < static_cast<int>(peers_.size()) && peers_[rank_].base) (void)cudaFree(peers_[rank_].base);
   (void)cudaGetLastError();
 }
 
@@ -169,6 +293,48 @@ std::byte* CudaWindow::data(int rank) const {
 
 FlagWord* CudaWindow::flags(int rank) const {
   return reinterpret_cast<FlagWord*>(data(rank) + flag_offset_);
+}
+
+CudaAddressRange::CudaAddressRange(std::size_t bytes) {
+  TIDE_CHECK_ARG(bytes > 0, "CudaAddressRange", "bytes", bytes, "> 0");
+  TIDE_CUDA_CHECK(cudaGetDevice(&device_));
+  const std::size_t granularity = vmm_granularity(device_);
+  bytes_ = round_up(bytes, granularity);
+  CUdeviceptr va = 0;
+  TIDE_CU_CHECK(cuda_detail::driver_api().mem_address_reserve(&va, bytes_, granularity, 0, 0));
+  base_ = reinterpret_cast<std::byte*>(va);
+}
+
+CudaAddressRange::~CudaAddressRange() {
+  unmap();
+  (void)cuda_detail::driver_api().mem_address_free(reinterpret_cast<CUdeviceptr>(base_), bytes_);
+}
+
+void CudaAddressRange::map_data_of(const CudaWindow& window) {
+  const char* where = "CudaAddressRange::map_data_of";
+  TIDE_CHECK_ARG(window.memory() == CudaMemory::kVmm, where, "window memory", "kMalloc", "kVmm");
+  TIDE_CHECK_ARG(window.device() == device_, where, "window device", window.device(),
+                 detail::concat(device_, " (the range's)"));
+  TIDE_CHECK_ARG(window.flag_offset_ >= bytes_, where, "range bytes", bytes_,
+                 detail::concat("<= the window's data region (", window.flag_offset_, " B)"));
+  unmap();
+  const auto& api = cuda_detail::driver_api();
+  const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(base_);
+  TIDE_CU_CHECK(api.mem_map(va, bytes_, 0, window.peers_[window.rank()].vmm_handle, 0));
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUresult status = api.mem_set_access(va, bytes_, &access, 1);
+  if (status != CUDA_SUCCESS) (void)api.mem_unmap(va, bytes_);
+  TIDE_CU_CHECK(status);
+  mapped_ = &window;
+}
+
+void CudaAddressRange::unmap() {
+  if (!mapped_) return;
+  (void)cuda_detail::driver_api().mem_unmap(reinterpret_cast<CUdeviceptr>(base_), bytes_);
+  mapped_ = nullptr;
 }
 
 }  // namespace tide

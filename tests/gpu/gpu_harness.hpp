@@ -229,6 +229,7 @@ struct Scenario {
   int repeats = 2;
   int nodes = 1;       // > 1: multi-node plans (the CUDA executor then needs NCCL between nodes)
   NetOptions net = {};
+  CudaMemory memory = CudaMemory::kMalloc;  // of the CUDA windows
 
   Topology topology() const { return Topology{nodes, world / nodes}; }
   BucketLayout layout() const { return BucketLayout(specs, topology()); }

@@ -56,7 +56,7 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
   }
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto window = CudaWindow::create(bootstrap, window_bytes(s), s.topology());
+  auto window = CudaWindow::create(bootstrap, window_bytes(s), s.topology(), s.memory);
   std::unique_ptr<NcclComm> network;
   if (s.nodes > 1) network = NcclComm::create(bootstrap);
   {
@@ -325,6 +325,81 @@ TEST(CudaCollectives, AcrossNodesOverNccl) {
     ++cases;
   }
   EXPECT_EQ(cases, 3);
+}
+
+// VMM windows (cuMemCreate, descriptors passed between processes): the same collectives, bitwise.
+TEST(CudaCollectives, VmmWindowsMatchHostExecutor) {
+  TIDE_REQUIRE_GPU();
+  std::mt19937_64 rng(7000);
+  for (int world : {2, 3}) {
+    Scenario s{random_specs(rng, world, 5, 1 << 15),
+               world,
+               {{Collective::kAllGather, {}, 1, 71},
+                {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, true), 1, 72}},
+               2};
+    s.memory = CudaMemory::kVmm;
+    SCOPED_TRACE(testing::Message() << "W=" << world << " VMM windows");
+    run_and_check(s);
+  }
+}
+
+// A CudaAddressRange shows the data of whichever VMM window is mapped into it, at one fixed
+// address: what tide.fsdp's unsharded params view (a bucket's range, pooled windows behind it).
+TEST(CudaCollectives, AddressRangeShowsTheMappedWindowAtAFixedAddress) {
+  TIDE_REQUIRE_GPU();
+  const int world = 2;
+  const BucketLayout layout({{"w", {300, 70}, DType::kBF16, DType::kFP32}, {"b", {33}, DType::kBF16, DType::kFP32}},
+                            Topology::single_node(world));
+  TempDir dir;
+  const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::vector<std::unique_ptr<CudaWindow>> windows;
+    for (int k = 0; k < 2; ++k)
+      windows.push_back(CudaWindow::create(b, layout.window_bytes(), layout.topology(), CudaMemory::kVmm));
+    CudaAddressRange range(layout.window_bytes());
+    std::byte* const fixed = range.data();
+    const std::size_t bytes = layout.window_bytes();
+    std::vector<std::vector<std::byte>> expected(2);
+    {
+      CudaExecutor executor(*windows[0], stream);
+      CudaExecutor executor1(*windows[1], stream);
+      for (int k = 0; k < 2; ++k) {  // a different all-gather in each window
+        const Invocation inv{Collective::kAllGather, {}, 1, 80u + k};
+        RankData d = make_rank_data(layout, inv, rank);
+        std::vector<DeviceBuffer> inputs;
+        Bindings bindings;
+        for (auto& in : d.inputs) {
+          inputs.emplace_back(in.size());
+          CHECK_CUDA(cudaMemcpy(inputs.back().ptr, in.data(), in.size(), cudaMemcpyHostToDevice));
+          bindings.inputs.push_back(inputs.back().ptr);
+        }
+        (k == 0 ? executor : executor1).run(plan_all_gather(layout, rank, 1), bindings);
+        (k == 0 ? executor : executor1).synchronize();
+        expected[k].resize(bytes);
+        CHECK_CUDA(cudaMemcpy(expected[k].data(), windows[k]->data(rank), bytes, cudaMemcpyDeviceToHost));
+      }
+    }
+    std::vector<std::byte> seen(bytes);
+    for (int k : {0, 1, 0}) {
+      range.map_data_of(*windows[k]);
+      if (range.data() != fixed) throw std::runtime_error("the range moved");
+      CHECK_CUDA(cudaMemcpy(seen.data(), range.data(), bytes, cudaMemcpyDeviceToHost));
+      if (seen != expected[k])
+        throw std::runtime_error("range mapped to window " + std::to_string(k) + " shows other bytes");
+    }
+    // Writes through the range land in the window (one memory, two addresses).
+    CHECK_CUDA(cudaMemset(range.data(), 0x3C, 4096));
+    CHECK_CUDA(cudaMemcpy(seen.data(), windows[0]->data(rank), 4096, cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < 4096; ++i)
+      if (seen[i] != std::byte{0x3C}) throw std::runtime_error("a write through the range was lost");
+    range.unmap();
+    b.barrier();
+    windows.clear();
+    CHECK_CUDA(cudaStreamDestroy(stream));
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(reports[r], "ok") << "rank " << r;
 }
 
 // A rank that dies before its collective: the survivors' waits time out and name it.

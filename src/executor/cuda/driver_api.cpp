@@ -55,6 +55,17 @@ const DriverApi& driver_api() {
     resolve("cuGetErrorString", api.get_error_string);
     resolve("cuStreamWriteValue64", api.stream_write_value64);
     resolve("cuStreamWaitValue64", api.stream_wait_value64);
+    resolve("cuDeviceGetAttribute", api.device_get_attribute);
+    resolve("cuMemCreate", api.mem_create);
+    resolve("cuMemRelease", api.mem_release);
+    resolve("cuMemExportToShareableHandle", api.mem_export);
+    resolve("cuMemImportFromShareableHandle", api.mem_import);
+    resolve("cuMemAddressReserve", api.mem_address_reserve);
+    resolve("cuMemAddressFree", api.mem_address_free);
+    resolve("cuMemMap", api.mem_map);
+    resolve("cuMemUnmap", api.mem_unmap);
+    resolve("cuMemSetAccess", api.mem_set_access);
+    resolve("cuMemGetAllocationGranularity", api.mem_get_granularity);
   });
   return api;
 }
