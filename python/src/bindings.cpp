@@ -234,14 +234,17 @@ NB_MODULE(_tide, m) {
   m.attr("cuda_built") = true;
   m.def("cuda_device_available", &cuda_device_available);
   m.def("cuda_device_count", &cuda_device_count);
+  nb::enum_<CudaMemory>(m, "CudaMemory").value("malloc", CudaMemory::kMalloc).value("vmm", CudaMemory::kVmm);
   nb::class_<CudaWindow>(m, "CudaWindow")
       .def_static("create",
-                  [](Bootstrap& b, std::size_t data_bytes, std::optional<Topology> topology) {
+                  [](Bootstrap& b, std::size_t data_bytes, std::optional<Topology> topology,
+                     CudaMemory memory) {
                     return CudaWindow::create(b, data_bytes,
-                                              topology ? *topology : Topology::single_node(b.world()));
+                                              topology ? *topology : Topology::single_node(b.world()),
+                                              memory);
                   },
                   "bootstrap"_a, "data_bytes"_a, "topology"_a = nb::none(),
-                  nb::call_guard<nb::gil_scoped_release>())
+                  "memory"_a = CudaMemory::kMalloc, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("rank", &CudaWindow::rank)
       .def_prop_ro("world", &CudaWindow::world)
       .def_prop_ro("device", &CudaWindow::device)
@@ -250,6 +253,12 @@ NB_MODULE(_tide, m) {
       .def("data_ptr", [](const CudaWindow& w, int rank) {
         return reinterpret_cast<uintptr_t>(w.data(rank));
       }, "rank"_a);
+  nb::class_<CudaAddressRange>(m, "CudaAddressRange")
+      .def(nb::init<std::size_t>(), "bytes"_a)
+      .def_prop_ro("ptr", [](const CudaAddressRange& r) { return reinterpret_cast<uintptr_t>(r.data()); })
+      .def_prop_ro("bytes", &CudaAddressRange::bytes)
+      .def("map_data_of", &CudaAddressRange::map_data_of, "window"_a, nb::keep_alive<1, 2>())
+      .def("unmap", &CudaAddressRange::unmap);
   nb::class_<CudaExecutor::Stats>(m, "CudaStats")
       .def_ro("cast_cta_us", &CudaExecutor::Stats::cast_cta_us)
       .def_ro("reduce_cta_us", &CudaExecutor::Stats::reduce_cta_us)

@@ -37,6 +37,6 @@ from ._tide import (  # noqa: F401
 )
 
 if cuda_built:
-    from ._tide import CudaExecutor, CudaStats, CudaWindow  # noqa: F401
+    from ._tide import CudaAddressRange, CudaExecutor, CudaMemory, CudaStats, CudaWindow  # noqa: F401
 
 __version__ = "0.1.0"

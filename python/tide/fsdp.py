@@ -20,9 +20,14 @@ address range), and the memory behind it comes from a small pool of windows shar
 of a process group, so memory stays that of the buckets unsharded at once (prefetch depth), not of
 the model. Autograd's saved views of parameters stay valid because the address never changes.
 
-Not handled (such buckets fall back to stock FSDP2, with one log line saying why): CUDA devices
-(the CUDA path of this integration is not built yet; the CUDA transport exists in C++), world size
-1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
+On CUDA devices the windows are VMM windows (cuMemCreate; peers map each other's through file
+descriptors passed between the rank processes) and each bucket's fixed address is a reserved
+device address range (CudaAddressRange) the current slot is mapped into; the all-gather runs on
+FSDP2's all-gather stream and the reduce-scatter on its reduce-scatter stream, ordered by events.
+All ranks of a group must be processes on one host.
+
+Not handled (such buckets fall back to stock FSDP2, with one log line saying why): ranks on several
+hosts (CUDA), world size 1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
 tensor-subclass extensions (``fsdp_pre_all_gather``), DTensor parameters (TP/EP), non-dim-0
 placements, dtypes other than fp32/bf16/fp16. A reduce-scatter with an fp16 reduce dtype
 (pre-divide), or whose gradients do not fit the pool's windows, runs stock for that call.
@@ -35,6 +40,7 @@ import inspect
 import itertools
 import logging
 import math
+import socket
 
 import torch
 import torch.distributed as dist
@@ -72,6 +78,7 @@ _STOCK = {
     "free_unsharded_param": _param_mod.FSDPParam.free_unsharded_param,
 }
 _FOREACH_REDUCE_SIGNATURE = inspect.signature(_STOCK["foreach_reduce"])
+_FOREACH_ALL_GATHER_SIGNATURE = inspect.signature(_STOCK["foreach_all_gather"])
 _logged: set = set()
 
 
@@ -102,8 +109,16 @@ def _param_groups(module: torch.nn.Module) -> list:
     return groups
 
 
-def _all_gather_result(output: torch.Tensor, fsdp_params, numels: list) -> tuple:
-    fields = dict(all_gather_output=output, all_gather_event=None, all_gather_work=None,
+class _DeviceBytes:
+    """`nbytes` of device memory at `ptr`, as a __cuda_array_interface__ for a zero-copy tensor."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None, "stream": None}
+
+
+def _all_gather_result(output: torch.Tensor, fsdp_params, numels: list, event=None) -> tuple:
+    fields = dict(all_gather_output=output, all_gather_event=event, all_gather_work=None,
                   param_all_gather_input_dtypes=[[output.dtype] for _ in fsdp_params],
                   param_all_gather_input_numels=[[n] for n in numels],
                   all_gather_input_split_sizes=list(numels))
@@ -113,20 +128,28 @@ def _all_gather_result(output: torch.Tensor, fsdp_params, numels: list) -> tuple
 # --- windows: a pool per process group ----------------------------------------------------------
 
 class _Slot:
-    """One pooled window and the executor that runs programs on it."""
+    """One pooled window and the executor that runs programs on it. On CUDA, `ready` is the event
+    after which the window may be written again (its last reader's stream recorded it)."""
 
-    def __init__(self, window, timeout_ms):
-        self.window = window
-        self.executor = _tide.HostExecutor(window, timeout_ms)
+    def __init__(self, window, executor):
+        self.window, self.executor = window, executor
+        self.ready = None  # torch.cuda.Event or None
+
+    def use_on(self, stream) -> None:
+        """CUDA: the next program on this slot runs on `stream`, after the slot's last use."""
+        if self.ready is not None:
+            stream.wait_event(self.ready)
+        self.executor.set_stream(stream.cuda_stream)
 
 
 class _WindowPool:
     """Windows of one size shared by every bucket of a process group. Every rank acquires and
     releases at the same points of FSDP2's schedule, so pool decisions agree across ranks and a new
-    window (a collective) is created by all ranks together."""
+    window (a collective) is created by all ranks together. On CUDA the windows are VMM windows
+    (their data can be mapped at each bucket's fixed address)."""
 
-    def __init__(self, group, slot_bytes: int, timeout_ms, name: str):
-        self.group, self.slot_bytes, self.timeout_ms = group, slot_bytes, timeout_ms
+    def __init__(self, group, slot_bytes: int, timeout_ms, name: str, device: torch.device):
+        self.group, self.slot_bytes, self.timeout_ms, self.device = group, slot_bytes, timeout_ms, device
         self.bootstrap = store_bootstrap(group, name)
         self.free: list[_Slot] = []
         self.slots: list[_Slot] = []
@@ -136,7 +159,14 @@ class _WindowPool:
         self.release_pending()
         if self.free:
             return self.free.pop()
-        slot = _Slot(_tide.HostWindow.create(self.bootstrap, self.slot_bytes), self.timeout_ms)
+        if self.device.type == "cuda":
+            window = _tide.CudaWindow.create(self.bootstrap, self.slot_bytes, None, _tide.CudaMemory.vmm)
+            executor = _tide.CudaExecutor(window, torch.cuda.current_stream(self.device).cuda_stream,
+                                          self.timeout_ms)
+        else:
+            window = _tide.HostWindow.create(self.bootstrap, self.slot_bytes)
+            executor = _tide.HostExecutor(window, self.timeout_ms)
+        slot = _Slot(window, executor)
         self.slots.append(slot)
         return slot
 
@@ -170,7 +200,9 @@ class _Bucket:
 
     def attach(self, pool: _WindowPool) -> None:
         self.pool = pool
-        self.range = _tide.HostAddressRange(pool.slot_bytes)
+        self.cuda = pool.device.type == "cuda"
+        self.range = (_tide.CudaAddressRange if self.cuda else _tide.HostAddressRange)(pool.slot_bytes)
+        self.freed = None  # CUDA: event on the compute stream after the params' last use
 
     def _ensure_param_outputs(self) -> None:
         # One tensor per param over the bucket's fixed address, each with its own storage starting at
@@ -179,13 +211,28 @@ class _Bucket:
             return
         for p, fp in zip(self.layout.params, self.fsdp_params):
             nbytes = self.layout.world * p.slot_bytes
-            raw = (ctypes.c_uint8 * nbytes).from_address(self.range.ptr + p.window_offset)
-            self.param_outputs.append(torch.frombuffer(raw, dtype=torch.uint8).view(_TIDE_TO_TORCH[p.dtype]))
+            if self.cuda:
+                raw = torch.as_tensor(_DeviceBytes(self.range.ptr + p.window_offset, nbytes),
+                                      device=self.pool.device)
+            else:
+                raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.range.ptr + p.window_offset),
+                                       dtype=torch.uint8)
+            self.param_outputs.append(raw.view(_TIDE_TO_TORCH[p.dtype]))
 
-    def all_gather(self):
+    def _map_slot(self) -> None:
+        if self.cuda:
+            # The range is remapped by the host: the params' last readers (kernels on the compute
+            # stream, recorded when FSDP2 freed them) must be done with the old mapping.
+            if self.freed is not None:
+                self.freed.synchronize()
+            self.range.map_data_of(self.slot.window)
+        else:
+            self.slot.window.map_data_into(self.range)
+
+    def all_gather(self, stream=None):
         if self.slot is None:
             self.slot = self.pool.acquire()
-            self.slot.window.map_data_into(self.range)
+            self._map_slot()
         elif self.vacated:  # freed, then gathered again before anyone else took the slot
             self.pool.pending.remove(self)
         self.vacated = False
@@ -198,9 +245,19 @@ class _Bucket:
                                    f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
                                    f"contiguous {_TIDE_TO_TORCH[p.shard_dtype]}")
             shards.append(data.data_ptr())
-        self.slot.executor.run(self.ag_program, shards)
+        event = None
+        if self.cuda:
+            # On FSDP2's all-gather stream, after the compute stream (optimizer steps write the
+            # shards) and after the slot's previous user; FSDP2 waits on the event before use.
+            stream = stream or torch.cuda.current_stream(self.pool.device)
+            stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+            self.slot.use_on(stream)
+            self.slot.executor.run(self.ag_program, shards)
+            event = stream.record_event()
+        else:
+            self.slot.executor.run(self.ag_program, shards)
         return _all_gather_result(self.param_outputs[0], self.fsdp_params,
-                                  [p.shard_numel for p in self.layout.params])
+                                  [p.shard_numel for p in self.layout.params], event)
 
     def copy_out(self) -> None:
         for fp, out in zip(self.fsdp_params, self.param_outputs):
@@ -209,6 +266,9 @@ class _Bucket:
 
     def on_params_freed(self) -> None:
         if self.slot is not None and not self.vacated:
+            if self.cuda:  # the params' last readers were enqueued on the current stream
+                self.freed = torch.cuda.current_stream(self.pool.device).record_event()
+                self.slot.ready = self.freed
             self.vacated = True
             self.pool.pending.append(self)
 
@@ -278,7 +338,15 @@ class _TideReduceScatterComm:
             offset += p.shard_numel
         slot = bucket.take_staging_slot()
         try:
-            slot.executor.run(program, [g.data_ptr() for g in grads], outputs)
+            if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
+                stream = torch.cuda.current_stream(bucket.pool.device)
+                slot.use_on(stream)
+                slot.executor.run(program, [g.data_ptr() for g in grads], outputs)
+                for g in grads:  # read in place on this stream; freed by the compute stream
+                    g.record_stream(stream)
+                slot.ready = stream.record_event()
+            else:
+                slot.executor.run(program, [g.data_ptr() for g in grads], outputs)
         finally:
             bucket.pool.release(slot)
             self.grads = None
@@ -298,18 +366,22 @@ def _bucket_of(fsdp_params):
     return bucket
 
 
-def _foreach_all_gather(fsdp_params, group, *args, **kwargs):
+def _foreach_all_gather(*args, **kwargs):
+    a = _FOREACH_ALL_GATHER_SIGNATURE.bind(*args, **kwargs).arguments
+    fsdp_params = a["fsdp_params"]
     bucket = _bucket_of(fsdp_params)
     if bucket is None or len(fsdp_params) != len(bucket.fsdp_params):
-        return _STOCK["foreach_all_gather"](fsdp_params, group, *args, **kwargs)
+        return _STOCK["foreach_all_gather"](*args, **kwargs)
     with torch.no_grad():
-        return bucket.all_gather()
+        return bucket.all_gather(a.get("all_gather_stream") if bucket.cuda else None)
 
 
 def _foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **kwargs):
     bucket = _bucket_of(fsdp_params)
     if bucket is None or all_gather_result.all_gather_output is not (bucket.param_outputs or [None])[0]:
         return _STOCK["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group, *args, **kwargs)
+    if all_gather_result.all_gather_event is not None:  # as stock: compute waits for the gather
+        torch.cuda.current_stream(bucket.pool.device).wait_event(all_gather_result.all_gather_event)
     bucket.copy_out()
     return None
 
@@ -410,12 +482,33 @@ _enabled: dict = {}  # id(module) -> TideFSDP
 _bucket_ids = itertools.count()
 
 
+_host_checks = itertools.count()
+_one_host_cache: dict = {}
+
+
+def _one_host(group) -> bool:
+    """Whether every rank of `group` runs on this host (CUDA windows map peers' GPU memory; across
+    hosts that needs the network transport). Asked once per group, over the store."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _one_host_cache:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"tide/hosts/{'-'.join(map(str, ranks))}/{next(_host_checks)}"
+        store.set(f"{key}/{group.rank()}", socket.gethostname())
+        hosts = {store.get(f"{key}/{q}") for q in range(group.size())}
+        _one_host_cache[ranks] = len(hosts) == 1
+    return _one_host_cache[ranks]
+
+
 def _bucket_fallback_reason(param_group, group) -> str:
     if group is None or group.size() <= 1:
         return "world size 1 (nothing to communicate)"
-    if param_group.device.type != "cpu":
-        return (f"device {param_group.device}: the CUDA path of tide.fsdp is not built yet "
-                "(the CUDA transport exists in C++; see README)")
+    if param_group.device.type == "cuda":
+        if not _tide.cuda_built:
+            return "device cuda: this build of TIDE has no CUDA transport (built without nvcc)"
+        if not _one_host(group):
+            return "ranks on several hosts: tide.fsdp across nodes is not built yet (C++ only)"
+    elif param_group.device.type != "cpu":
+        return f"device {param_group.device}: TIDE runs on CPU and CUDA devices"
     if getattr(param_group, "_use_post_forward_mesh", False):
         return "reshard_after_forward as an int (post-forward resharding to a smaller mesh)"
     for i, fp in enumerate(param_group.fsdp_params):
@@ -478,7 +571,8 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None) -> TideFSD
     for n, (group, buckets) in enumerate(by_pg.items()):
         ranks = dist.get_process_group_ranks(group)
         name = f"tide/pool/{'-'.join(map(str, ranks))}/{buckets[0].id}"
-        pool = _WindowPool(group, max(b.layout.window_bytes for b in buckets), timeout_ms, name)
+        pool = _WindowPool(group, max(b.layout.window_bytes for b in buckets), timeout_ms, name,
+                           buckets[0].param_group.device)
         result.pools.append(pool)
         for b in buckets:
             b.attach(pool)
