@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-bytes", type=_positive("max-bytes"), default=16 * MIB)
     c.add_argument("--iters", type=_positive("iters"), default=10)
 
-    sub.add_parser("interference", parents=[common], help="one-wave GEMM beside each reduce-scatter (GPU)")
+    i = sub.add_parser("interference", parents=[common], help="one-wave GEMM beside each reduce-scatter (GPU)")
+    i.add_argument("--iters", type=_positive("iters"), default=30, help="timed GEMMs per case (>= 20)")
     return p
 
 
@@ -156,13 +157,30 @@ def main(argv=None) -> int:
         return _fsdp(args, parser, device)
     if args.command == "collectives":
         return _collectives(args, parser, device)
-    # interference
+    return _interference(args, parser, device)
+
+
+def _interference(args, parser, device) -> int:
+    from .. import _tide
+    from .interference_bench import run_interference
+
     if device != "cuda":
         parser.error("interference needs a CUDA GPU (a one-wave GEMM beside each reduce-scatter); "
                      "none is visible here")
-    parser.error("interference: not available from Python yet; on a GPU machine run the C++ "
-                 "benchmark `tide_bench_cuda interference` (bench/cuda); see BENCHMARKS.md")
-    return 2
+    if not _tide.cuda_built:
+        parser.error("interference: this build of TIDE has no CUDA transport (built without nvcc)")
+    if args.iters < 20:
+        parser.error(f"--iters {args.iters}: expected >= 20 (medians of at least 20 runs)")
+    if args.world < 2 and not under_torchrun():
+        parser.error(f"--world {args.world}: needs 2 ranks or more, one per GPU")
+    results = _launch(args, device, run_interference, {"iters": args.iters})
+    if results is None:
+        return 0
+    summary = report.interference_summary(results)
+    print(report.interference_table(summary))
+    if args.json:
+        report.write_json(args.json, summary)
+    return 0 if summary["overlapped"] else 1
 
 
 if __name__ == "__main__":

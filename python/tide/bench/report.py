@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 
 def fsdp_table(summary: dict) -> str:
@@ -83,3 +84,38 @@ def fsdp_plots(summary: dict, plot_dir: str) -> list:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     return paths
+
+
+def interference_summary(results: list) -> dict:
+    """The slowest rank's median and mean GEMM time per background, and the slowdowns."""
+    def worst(key):
+        per_rank = [(statistics.median(r[key]), statistics.fmean(r[key])) for r in results]
+        return max(per_rank)
+
+    alone = worst("alone")
+    rows = {}
+    for key, label in (("alone", "alone"), ("tide", "beside TIDE-RS"),
+                       ("nccl", "beside NCCL reduce_scatter fp32")):
+        median, mean = worst(key)
+        rows[key] = {"label": label, "median_us": median, "mean_us": mean,
+                     "slowdown_median": median / alone[0] - 1.0, "slowdown_mean": mean / alone[1] - 1.0}
+    return {"world": results[0]["world"], "gpu": results[0]["gpu"], "rows": rows,
+            "tflops_alone": min(r["tflops"] for r in results),
+            "tide_sm_cta_us": sum(r["tide_sm_cta_us"] for r in results),
+            "overlapped": all(r["tide_overlapped"] and r["nccl_overlapped"] for r in results)}
+
+
+def interference_table(summary: dict) -> str:
+    lines = [f"# tide-bench interference: bf16 GEMM 2048x1024x16384 on each of {summary['world']} GPUs "
+             f"({summary['gpu']}), one rank per GPU; slowest rank",
+             f"{'GEMM':<36} {'median us':>10} {'slowdown':>9} {'mean':>9}"]
+    for row in summary["rows"].values():
+        slow = "" if row["label"] == "alone" else f"{100 * row['slowdown_median']:+.1f}%"
+        mean = "" if row["label"] == "alone" else f"{100 * row['slowdown_mean']:+.1f}%"
+        lines.append(f"{row['label']:<36} {row['median_us']:>10.1f} {slow:>9} {mean:>9}")
+    lines.append(f"background: a 256 MiB bf16 gradient per rank (TIDE-RS: bf16 -> fp32 shard, reduce "
+                 f"kernel {summary['tide_sm_cta_us']:.0f} CTA*us per RS over all ranks; NCCL: the same "
+                 f"as an fp32 buffer, avg); GEMM alone {summary['tflops_alone']:.0f} TFLOP/s")
+    if not summary["overlapped"]:
+        lines.append("WARNING: a background finished before the timed GEMMs did; figures partly alone")
+    return "\n".join(lines)
