@@ -99,24 +99,27 @@ class CudaWindow {
 // while no work on the range or the window is in flight.
 class CudaAddressRange {
  public:
-  // Reserves `bytes` of address space on the current device, rounded up to its allocation
-  // granularity; nothing is mapped yet.
+  // A range for `bytes` of window data on the current device. The address space is reserved at
+  // the first map_data_of (cuMemMap maps whole allocations: the window's flags follow its data
+  // there too); data() is null until then and never changes after.
   explicit CudaAddressRange(std::size_t bytes);
   ~CudaAddressRange();
   CudaAddressRange(const CudaAddressRange&) = delete;
   CudaAddressRange& operator=(const CudaAddressRange&) = delete;
 
   std::byte* data() const { return base_; }
-  std::size_t bytes() const { return bytes_; }
+  std::size_t bytes() const { return bytes_; }  // the data bytes asked for
   const CudaWindow* mapped() const { return mapped_; }
-  // Maps the first bytes() of `window`'s own data (a kVmm window of this process, on this range's
-  // device, whose data region is at least bytes()) at data(), replacing an earlier mapping.
+  // Maps `window`'s own allocation (a kVmm window of this process, on this range's device, whose
+  // data region is at least bytes(); every window mapped here must have the first one's size) at
+  // data(), replacing an earlier mapping.
   void map_data_of(const CudaWindow& window);
   void unmap();
 
  private:
   std::byte* base_ = nullptr;
   std::size_t bytes_ = 0;
+  std::size_t reserved_ = 0;
   int device_ = 0;
   const CudaWindow* mapped_ = nullptr;
 };

@@ -295,19 +295,15 @@ FlagWord* CudaWindow::flags(int rank) const {
   return reinterpret_cast<FlagWord*>(data(rank) + flag_offset_);
 }
 
-CudaAddressRange::CudaAddressRange(std::size_t bytes) {
+CudaAddressRange::CudaAddressRange(std::size_t bytes) : bytes_(bytes) {
   TIDE_CHECK_ARG(bytes > 0, "CudaAddressRange", "bytes", bytes, "> 0");
   TIDE_CUDA_CHECK(cudaGetDevice(&device_));
-  const std::size_t granularity = vmm_granularity(device_);
-  bytes_ = round_up(bytes, granularity);
-  CUdeviceptr va = 0;
-  TIDE_CU_CHECK(cuda_detail::driver_api().mem_address_reserve(&va, bytes_, granularity, 0, 0));
-  base_ = reinterpret_cast<std::byte*>(va);
 }
 
 CudaAddressRange::~CudaAddressRange() {
   unmap();
-  (void)cuda_detail::driver_api().mem_address_free(reinterpret_cast<CUdeviceptr>(base_), bytes_);
+  if (base_)
+    (void)cuda_detail::driver_api().mem_address_free(reinterpret_cast<CUdeviceptr>(base_), reserved_);
 }
 
 void CudaAddressRange::map_data_of(const CudaWindow& window) {
@@ -317,23 +313,34 @@ void CudaAddressRange::map_data_of(const CudaWindow& window) {
                  detail::concat(device_, " (the range's)"));
   TIDE_CHECK_ARG(window.flag_offset_ >= bytes_, where, "range bytes", bytes_,
                  detail::concat("<= the window's data region (", window.flag_offset_, " B)"));
-  unmap();
   const auto& api = cuda_detail::driver_api();
+  // cuMemMap maps whole allocations only (offset 0, full size; CUDA_ERROR_NOT_SUPPORTED
+  // otherwise, seen on an H200): the range covers the window's flags too, after the data, and
+  // takes its size from the first window mapped into it.
+  if (!base_) {
+    CUdeviceptr va = 0;
+    TIDE_CU_CHECK(api.mem_address_reserve(&va, window.mapped_bytes_, vmm_granularity(device_), 0, 0));
+    base_ = reinterpret_cast<std::byte*>(va);
+    reserved_ = window.mapped_bytes_;
+  }
+  TIDE_CHECK_ARG(window.mapped_bytes_ == reserved_, where, "window allocation bytes",
+                 window.mapped_bytes_, detail::concat(reserved_, " (the first window mapped here)"));
+  unmap();
   const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(base_);
-  TIDE_CU_CHECK(api.mem_map(va, bytes_, 0, window.peers_[window.rank()].vmm_handle, 0));
+  TIDE_CU_CHECK(api.mem_map(va, reserved_, 0, window.peers_[window.rank()].vmm_handle, 0));
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device_;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  const CUresult status = api.mem_set_access(va, bytes_, &access, 1);
-  if (status != CUDA_SUCCESS) (void)api.mem_unmap(va, bytes_);
+  const CUresult status = api.mem_set_access(va, reserved_, &access, 1);
+  if (status != CUDA_SUCCESS) (void)api.mem_unmap(va, reserved_);
   TIDE_CU_CHECK(status);
   mapped_ = &window;
 }
 
 void CudaAddressRange::unmap() {
   if (!mapped_) return;
-  (void)cuda_detail::driver_api().mem_unmap(reinterpret_cast<CUdeviceptr>(base_), bytes_);
+  (void)cuda_detail::driver_api().mem_unmap(reinterpret_cast<CUdeviceptr>(base_), reserved_);
   mapped_ = nullptr;
 }
 

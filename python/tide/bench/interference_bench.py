@@ -39,8 +39,7 @@ def _agree_max(value: int) -> int:
     return int(t.item())
 
 
-def run_interference(opts: dict) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run_interference(rank: int, world: int, opts: dict) -> dict:
     iters = opts["iters"]
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
