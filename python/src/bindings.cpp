@@ -65,6 +65,9 @@ Bindings make_bindings(const std::vector<uintptr_t>& inputs, const std::vector<u
 }  // namespace
 
 NB_MODULE(_tide, m) {
+  // tide.fsdp keeps windows and executors in process-global state for the life of the model;
+  // nanobind's at-exit leak report would list them as leaks after every training script.
+  nb::set_leak_warnings(false);
   m.doc() = "TIDE: zero-copy collectives for FSDP2 (C++ core)";
   static nb::object desync = nb::steal(PyErr_NewException("tide.DesyncError", PyExc_RuntimeError, nullptr));
   m.attr("DesyncError") = desync;

@@ -154,6 +154,7 @@ class _WindowPool:
         self.free: list[_Slot] = []
         self.slots: list[_Slot] = []
         self.pending: list = []  # buckets whose params were freed; released at the next acquire
+        self.stats_enabled = False
 
     def acquire(self) -> _Slot:
         self.release_pending()
@@ -168,6 +169,8 @@ class _WindowPool:
             executor = _tide.HostExecutor(window, self.timeout_ms)
         slot = _Slot(window, executor)
         self.slots.append(slot)
+        if self.stats_enabled and hasattr(executor, "enable_stats"):
+            executor.enable_stats(True)
         return slot
 
     def release(self, slot: _Slot) -> None:
@@ -472,6 +475,26 @@ class TideFSDP:
     def pool_bytes(self) -> int:
         """Bytes of window memory this rank holds now (all pools)."""
         return sum(len(p.slots) * p.slot_bytes for p in self.pools)
+
+    def enable_sm_stats(self, enabled: bool = True) -> None:
+        """CUDA: time TIDE's kernels (cast, reduce) from now on (off by default: it adds events)."""
+        for pool in self.pools:
+            for slot in pool.slots:
+                if hasattr(slot.executor, "enable_stats"):
+                    slot.executor.reset_stats()
+                    slot.executor.enable_stats(enabled)
+            pool.stats_enabled = enabled
+
+    def sm_cta_us(self) -> float:
+        """CUDA: SM time of TIDE's kernels since enable_sm_stats, in CTA-microseconds (CTAs x kernel
+        time; copies and flags use no SMs). Synchronizes the executors. 0 on CPU."""
+        total = 0.0
+        for pool in self.pools:
+            for slot in pool.slots:
+                if hasattr(slot.executor, "stats"):
+                    st = slot.executor.stats()
+                    total += st.cast_cta_us + st.reduce_cta_us
+        return total
 
     def __repr__(self):
         return (f"TideFSDP({len(self.buckets)} buckets handled, {len(self.fallbacks)} fallbacks, "

@@ -38,7 +38,7 @@ def test_fsdp_cpu_run_writes_complete_json_and_plots(tmp_path, capsys):
         assert key in data, key
     for mode in ("stock", "tide"):
         for key in ("step_ms", "collectives_ms", "layout_copy_mib", "peak_memory_mib",
-                    "peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_window_mib"):
+                    "peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_window_mib", "sm_cta_us"):
             assert key in data[mode], (mode, key)
         assert data[mode]["step_ms"] > 0 and data[mode]["peak_memory_mib"] > 0
     assert data["stock"]["layout_copy_mib"] > 0          # stock converts layouts every step

@@ -102,8 +102,11 @@ def _fsdp(args, parser, device) -> int:
         keys = ("step_ms", "collectives_ms", "peak_memory_mib")
         out = {k: max(r[k] for r in runs) for k in keys}  # the slowest / largest rank
         out["layout_copy_mib"] = runs[0]["layout_copy_bytes"] / MIB
-        for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_window_mib"):
+        for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks"):
             out[k] = runs[0][k]
+        out["tide_window_mib"] = max(r["tide_window_mib"] for r in runs)
+        sm = [r["sm_cta_us"] for r in runs if r.get("sm_cta_us") is not None]
+        out["sm_cta_us"] = sum(sm) / len(sm) if sm else None  # per rank, averaged
         return out
 
     summary = {"model": model_name, "config": cfg.as_dict(), "world": len(stock), "device": device,

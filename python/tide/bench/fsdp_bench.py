@@ -132,6 +132,12 @@ def run_mode(rank: int, world: int, mode: str, cfg_dict: dict, opts: dict) -> di
     counter = LayoutCopyCounter()
     with counter:
         one_step()
+    sm_cta_us = None  # TIDE's kernels' SM time in one step (CUDA); NCCL's cannot be timed from here
+    if handle is not None and device == "cuda":
+        handle.enable_sm_stats(True)
+        one_step()
+        sm_cta_us = handle.sm_cta_us()
+        handle.enable_sm_stats(False)
     for step in range(total):
         with CollectiveTimer(device) as timer:
             t0 = time.perf_counter()
@@ -155,6 +161,7 @@ def run_mode(rank: int, world: int, mode: str, cfg_dict: dict, opts: dict) -> di
         "step_ms": statistics.median(step_s) * 1e3,
         "collectives_ms": statistics.median(coll_s) * 1e3,
         "layout_copy_bytes": counter.bytes,
+        "sm_cta_us": sm_cta_us,
         "peak_memory_mib": (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
                             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",

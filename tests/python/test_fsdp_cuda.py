@@ -1,0 +1,30 @@
+"""tide.fsdp on CUDA devices: stock FSDP2 (NCCL) and TIDE train the same model side by side on two
+GPUs (one rank each); with fp32 everywhere at W = 2 every reduction is a sum of two, which cannot
+depend on order, so the final parameters must be bitwise equal; with bf16 params and fp32
+reduction likewise (the same two-term sums). Skipped, saying why, without two GPUs or without a
+CUDA build of TIDE (CI has neither)."""
+
+import json
+
+import pytest
+import torch
+
+import tide
+from tide.bench import cli
+
+needs_two_gpus = pytest.mark.skipif(
+    not (tide.cuda_built and torch.cuda.is_available() and torch.cuda.device_count() >= 2),
+    reason="needs a CUDA build of TIDE and 2 GPUs (one rank per GPU, NCCL for stock FSDP2)")
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("mp", ["fp32", "bf16"])
+def test_tide_matches_stock_bitwise_on_two_gpus(mp, tmp_path, capsys):
+    out = tmp_path / "fsdp.json"
+    assert cli.main(["fsdp", "--device", "cuda", "--world", "2", "--model", "tiny", "--mp", mp,
+                     "--steps", "3", "--warmup", "1", "--seq", "64", "--json", str(out),
+                     "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert data["tide"]["tide_buckets"] == 3 and not data["tide"]["tide_fallbacks"]
+    assert data["tide"]["layout_copy_mib"] == 0 and data["stock"]["layout_copy_mib"] > 0
+    assert data["max_abs_diff"] == 0.0, capsys.readouterr().out
