@@ -11,6 +11,7 @@
 // TIDE never turns NVLink SHARP/multicast on (keep NCCL_NVLS_ENABLE=0 on shared machines).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -78,7 +79,9 @@ class NcclComm {
   // Collective over `bootstrap` (every rank calls it; rank 0 makes the unique id): a new
   // communicator on the current CUDA device, destroyed with this object.
   static std::unique_ptr<NcclComm> create(Bootstrap& bootstrap);
-  // Wraps the caller's ncclComm_t (not destroyed here; it must outlive this object).
+  // Wraps the caller's ncclComm_t (not destroyed here; it must outlive this object). A network
+  // transfer stuck past an executor's timeout aborts it all the same (ncclCommAbort frees it:
+  // NCCL's only way to return its kernels); after a TimeoutError its owner must not use it again.
   static std::unique_ptr<NcclComm> wrap(void* comm);
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
@@ -91,7 +94,7 @@ class NcclComm {
   // Aborts the communicator (its kernels return; its operations fail): how a stuck network
   // transfer is released after a timeout. The communicator is unusable afterwards.
   void abort();
-  bool aborted() const { return aborted_; }
+  bool aborted() const { return aborted_.load(); }
   // Throws SystemError when NCCL reports an asynchronous error on this communicator.
   void check_async() const;
 
@@ -99,7 +102,7 @@ class NcclComm {
   NcclComm() = default;
   void* comm_ = nullptr;
   bool owned_ = false;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};  // set by an executor's watchdog thread
   int rank_ = 0, world_ = 0, device_ = 0;
 };
 

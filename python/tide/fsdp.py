@@ -505,7 +505,6 @@ _enabled: dict = {}  # id(module) -> TideFSDP
 _bucket_ids = itertools.count()
 
 
-_host_checks = itertools.count()
 _one_host_cache: dict = {}
 
 
@@ -515,7 +514,7 @@ def _one_host(group) -> bool:
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in _one_host_cache:
         store = dist.distributed_c10d._get_default_store()
-        key = f"tide/hosts/{'-'.join(map(str, ranks))}/{next(_host_checks)}"
+        key = f"tide/hosts/{'-'.join(map(str, ranks))}"  # asked once per group and process
         store.set(f"{key}/{group.rank()}", socket.gethostname())
         hosts = {store.get(f"{key}/{q}") for q in range(group.size())}
         _one_host_cache[ranks] = len(hosts) == 1

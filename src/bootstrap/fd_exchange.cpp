@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -112,21 +113,23 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int mine, const std::vector<
     throw_errno("bind");
   if (::listen(listener.get(), world) != 0) throw_errno("listen");
 
-  // "<name> <q1>,<q2>,..." : where to find me, and whose descriptors I ask for.
+  // "<name> <pid> <q1>,<q2>,..." : where to find me, who I am, whose descriptors I ask for.
   std::ostringstream mine_line;
-  mine_line << name << ' ';
+  mine_line << name << ' ' << ::getpid() << ' ';
   for (int q : from) mine_line << q << ',';
   const std::vector<std::string> all = bootstrap.allgather(mine_line.str());
   std::vector<std::string> names(world);
-  int askers = 0;
+  std::vector<pid_t> asker_pids;  // the processes allowed to take my descriptor
   for (int r = 0; r < world; ++r) {
     std::istringstream in(all[r]);
     std::string asks;
-    in >> names[r] >> asks;
+    long pid = 0;
+    in >> names[r] >> pid >> asks;
     std::istringstream list(asks);
     for (std::string q; std::getline(list, q, ',');)
-      if (!q.empty() && std::stoi(q) == rank) ++askers;
+      if (!q.empty() && std::stoi(q) == rank) asker_pids.push_back(static_cast<pid_t>(pid));
   }
+  const int askers = static_cast<int>(asker_pids.size());
 
   const Clock::time_point deadline = Clock::now() + timeout;
   std::exception_ptr server_error;
@@ -139,6 +142,18 @@ std::vector<int> exchange_fds(Bootstrap& bootstrap, int mine, const std::vector<
                                             timeout.count(), " ms"));
         Fd client(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
         if (client.get() < 0) throw_errno("accept");
+        // Abstract socket names are visible to every process of the network namespace: hand the
+        // descriptor (GPU memory) only to a process of a rank that asked for it.
+        ucred peer{};
+        socklen_t peer_length = sizeof peer;
+        if (::getsockopt(client.get(), SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) != 0)
+          throw_errno("getsockopt(SO_PEERCRED)");
+        const auto it = std::find(asker_pids.begin(), asker_pids.end(), peer.pid);
+        if (it == asker_pids.end()) {
+          --served;  // not a rank: refused, and it does not count
+          continue;
+        }
+        asker_pids.erase(it);
         send_fd(client.get(), mine);
       }
     } catch (...) {

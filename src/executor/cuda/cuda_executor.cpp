@@ -106,7 +106,7 @@ struct CudaExecutor::Impl {
   const cuda_detail::DriverApi& api;
   cudaStream_t net_stream = nullptr;   // created at the first multi-node program
   cudaEvent_t net_ready = nullptr;     // the compute stream's position at a group's last op
-  std::vector<cudaEvent_t> group_done; // per group of the current program (reused across runs)
+  std::mutex net_mutex;                // NCCL calls on `network` vs the watchdog's abort
   cudaStream_t side_stream = nullptr;  // non-blocking: the watchdog's flag reads and releases
   // Host staging of the watchdog's flag reads/writes (pageable: cudaMallocHost/cudaFreeHost may
   // wait for the whole device, which must not happen while ranks of this process wait on each other).
@@ -231,54 +231,66 @@ struct CudaExecutor::Impl {
                                            epoch, CU_STREAM_WRITE_VALUE_DEFAULT));
   }
 
-  // Enqueues group g's sends and receives on the network stream after the compute stream's
-  // position recorded in net_ready, watched like a wait.
-  void issue_group(const net::NetGroup& group, std::size_t g, const Program& program,
-                   const std::function<std::byte*(const Address&)>& resolve, uint64_t epoch,
-                   uint64_t tag) {
+  // Enqueues a group's sends and receives on the network stream after the compute stream's
+  // position recorded in net_ready, watched like a wait. Returns an event recorded after it, the
+  // caller's (its compute stream may wait on it; give it back with recycle_events once every
+  // cudaStreamWaitEvent on it is enqueued). The watchdog's events are separate: it recycles them
+  // as soon as they complete, which must not re-record an event a later wait still refers to.
+  cudaEvent_t issue_group(const net::NetGroup& group, const Program& program,
+                          const std::function<std::byte*(const Address&)>& resolve, uint64_t epoch,
+                          uint64_t tag) {
     const NcclLibrary& nccl = NcclLibrary::get();
-    if (!net_stream) {
-      TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&net_stream, cudaStreamNonBlocking));
-      streams_used.push_back(net_stream);
-    }
+    if (!net_stream) TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&net_stream, cudaStreamNonBlocking));
     if (std::find(streams_used.begin(), streams_used.end(), net_stream) == streams_used.end())
       streams_used.push_back(net_stream);
-    while (group_done.size() <= g) {
-      cudaEvent_t e = nullptr;
-      TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      group_done.push_back(e);
-    }
-    TIDE_CUDA_CHECK(cudaStreamWaitEvent(net_stream, net_ready, 0));
-    PendingWait record{0, take_event(), group_done[g], nullptr, epoch, tag, -1,
+    PendingWait record{0, take_event(), take_event(), nullptr, epoch, tag, -1,
                        FlagKind::kDataReady, Phase::kPush, {}};
-    TIDE_CUDA_CHECK(cudaEventRecord(record.before, net_stream));
-    nccl.check(nccl.group_start(), "ncclGroupStart");
-    int result = 0;
-    for (std::size_t i : group.ops) {
-      const Step& step = program.steps[i];
-      if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
-        record.peers += detail::concat(record.peers.empty() ? "" : ", ", "send to ", send->peer);
-        if (result == 0)
-          result = nccl.send(resolve(send->src), send->bytes, NcclLibrary::kUint8, send->peer,
-                             network->get(), net_stream);
-      } else if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
-        record.peers += detail::concat(record.peers.empty() ? "" : ", ", "receive from ", recv->peer);
-        if (result == 0)
-          result = nccl.recv(resolve(recv->dst), recv->bytes, NcclLibrary::kUint8, recv->peer,
-                             network->get(), net_stream);
+    cudaEvent_t done = take_event();
+    try {
+      TIDE_CUDA_CHECK(cudaStreamWaitEvent(net_stream, net_ready, 0));
+      TIDE_CUDA_CHECK(cudaEventRecord(record.before, net_stream));
+      // Under net_mutex: the watchdog aborts the communicator (which frees it) only between
+      // groups, never while this thread is inside an NCCL call on it.
+      std::lock_guard<std::mutex> net_lock(net_mutex);
+      throw_if_failed();  // aborted meanwhile: the communicator is gone
+      nccl.check(nccl.group_start(), "ncclGroupStart");
+      int result = 0;
+      for (std::size_t i : group.ops) {
+        const Step& step = program.steps[i];
+        if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
+          record.peers += detail::concat(record.peers.empty() ? "" : ", ", "send to ", send->peer);
+          if (result == 0)
+            result = nccl.send(resolve(send->src), send->bytes, NcclLibrary::kUint8, send->peer,
+                               network->get(), net_stream);
+        } else if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
+          record.peers += detail::concat(record.peers.empty() ? "" : ", ", "receive from ", recv->peer);
+          if (result == 0)
+            result = nccl.recv(resolve(recv->dst), recv->bytes, NcclLibrary::kUint8, recv->peer,
+                               network->get(), net_stream);
+        }
       }
+      const int ended = nccl.group_end();  // always ended, even after a failed call inside
+      nccl.check(result, "ncclSend/ncclRecv");
+      nccl.check(ended, "ncclGroupEnd");
+      TIDE_CUDA_CHECK(cudaEventRecord(record.after, net_stream));
+      TIDE_CUDA_CHECK(cudaEventRecord(done, net_stream));
+    } catch (...) {
+      recycle_events({record.before, record.after, done});
+      throw;
     }
-    const int ended = nccl.group_end();  // always ended, even after a failed call inside
-    nccl.check(result, "ncclSend/ncclRecv");
-    nccl.check(ended, "ncclGroupEnd");
     ++stats.network_groups;
-    TIDE_CUDA_CHECK(cudaEventRecord(record.after, net_stream));
     {
       std::lock_guard<std::mutex> lock(mutex);
       record.id = next_wait_id++;
       pending.push_back(record);
     }
     wake.notify_one();
+    return done;
+  }
+
+  void recycle_events(const std::vector<cudaEvent_t>& events) {
+    std::lock_guard<std::mutex> lock(mutex);
+    free_events.insert(free_events.end(), events.begin(), events.end());
   }
 
   void throw_if_failed() {
@@ -383,7 +395,7 @@ struct CudaExecutor::Impl {
           lock.lock();
           pending.pop_front();
           free_events.push_back(w.before);
-          if (w.flag) free_events.push_back(w.after);  // a group's "after" is group_done's
+          free_events.push_back(w.after);
           continue;
         }
         if (after != cudaErrorNotReady) TIDE_CUDA_CHECK(after);
@@ -399,7 +411,10 @@ struct CudaExecutor::Impl {
               write_flags(window.flags(window.rank()), kNumFlagKinds * window.world(), w.tag);
               draining = true;
             }
-            if (draining && !network->aborted()) network->abort();
+            if (draining && !network->aborted()) {
+              std::lock_guard<std::mutex> net_lock(net_mutex);
+              network->abort();
+            }
           } else if (!draining && now - stuck_since >= timeout) {
             store_error(diagnose(w, read_flag(w.flag)));
             // Release every own flag at once (this program's remaining waits pass quickly);
@@ -466,10 +481,9 @@ CudaExecutor::~CudaExecutor() {
   d.watchdog.join();
   for (const PendingWait& w : d.pending) {
     (void)cudaEventDestroy(w.before);
-    if (w.flag) (void)cudaEventDestroy(w.after);
+    (void)cudaEventDestroy(w.after);
   }
   for (cudaEvent_t e : d.free_events) (void)cudaEventDestroy(e);
-  for (cudaEvent_t e : d.group_done) (void)cudaEventDestroy(e);
   if (d.net_ready) (void)cudaEventDestroy(d.net_ready);
   if (d.net_stream) (void)cudaStreamDestroy(d.net_stream);
   for (const KernelTiming& t : d.timings) {
@@ -523,12 +537,13 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
     if (!d.net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&d.net_ready, cudaEventDisableTiming));
   }
   // Issues and waits the schedule asks for before step i (i == steps.size(): the end).
+  std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
   auto network_actions = [&](std::size_t i) {
     if (!has_net) return;
     for (int g : schedule.issue_before[i])
-      d.issue_group(schedule.groups[g], static_cast<std::size_t>(g), program, resolve, epoch, tag);
+      group_done.push_back(d.issue_group(schedule.groups[g], program, resolve, epoch, tag));
     if (schedule.wait_before[i] >= 0)
-      TIDE_CUDA_CHECK(cudaStreamWaitEvent(d.stream, d.group_done[schedule.wait_before[i]], 0));
+      TIDE_CUDA_CHECK(cudaStreamWaitEvent(d.stream, group_done[schedule.wait_before[i]], 0));
   };
   // Whether step j may join a kernel batch started earlier: no network action falls between.
   auto batchable = [&](std::size_t j) {
@@ -636,6 +651,7 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
     }
   }
   network_actions(steps.size());
+  d.recycle_events(group_done);  // every wait on them is enqueued (waits capture the record)
 }
 
 void CudaExecutor::synchronize() {

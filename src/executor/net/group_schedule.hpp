@@ -46,6 +46,14 @@ GroupSchedule schedule_groups(const Program& program);
 // finishes once each of its ops is matched (k-th send s->r on a channel with the k-th receive of r
 // from s) by an op in a group that is running or finished on the peer. Returns "" when all
 // finish, else a description of the stuck groups (a deadlock).
+//
+// What it does not model: the compute stream (a group starts only once the compute stream has
+// reached it; the compute stream waits for groups) and node-local signals and waits. The
+// planner's programs keep those out of the way (local handshakes come before or after all
+// network ops; a group's last op is right before the step that issues it), which is why the
+// network-only check suffices for them; a new planner shape needs the full model. Channels stand
+// for separate communicators: two programs sharing one NCCL communicator concurrently (an AG and
+// an RS in flight at once on one NcclComm) are matched by NCCL in issue order, not by channel.
 std::string simulate_groups(const std::vector<Program>& programs,
                             const std::vector<GroupSchedule>& schedules);
 

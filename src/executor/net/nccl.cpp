@@ -139,8 +139,7 @@ NcclComm::~NcclComm() {
 }
 
 void NcclComm::abort() {
-  if (aborted_) return;
-  aborted_ = true;
+  if (aborted_.exchange(true)) return;
   (void)NcclLibrary::get().comm_abort(comm_);
 }
 
