@@ -3,7 +3,12 @@
 // descriptor; asymmetric requests; a peer that offers nothing is an error naming it.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
+
+#include <cstddef>
+#include <cstring>
 
 #include "process_util.hpp"
 #include "tide/bootstrap.hpp"
@@ -73,6 +78,47 @@ TEST(FdExchange, RejectsBadRequests) {
     return std::string("accepted");
   });
   EXPECT_NE(run.reports[0].find("another rank"), std::string::npos) << run.reports[0];
+}
+
+}  // namespace
+}  // namespace tide
+
+namespace tide {
+namespace {
+
+// A process that is not a rank asking for the descriptor (it learnt the socket's name) is refused;
+// the rank that asked still gets it.
+TEST(FdExchange, AProcessThatDidNotAskIsRefused) {
+  const test::ProcessRun run = test::run_processes(3, [&](int rank, Bootstrap& b, const std::string&) {
+    if (rank == 2) {  // the intruder: joins the name exchange asking for nothing, then connects
+      const std::vector<std::string> all = b.allgather("tide-fd-intruder 1 ");
+      const std::string name = all[0].substr(0, all[0].find(' '));
+      const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_un a{};
+      a.sun_family = AF_UNIX;
+      std::memcpy(a.sun_path + 1, name.data(), name.size());
+      const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+      // Refused: the connection is closed (or reset, or never accepted once rank 0 has served
+      // rank 1 and closed its listener) without a byte or a descriptor.
+      ssize_t n = -1;
+      char byte = 0;
+      if (::connect(s, reinterpret_cast<const sockaddr*>(&a), length) == 0) n = ::recv(s, &byte, 1, 0);
+      ::close(s);
+      b.barrier();
+      return std::string(n > 0 ? "served" : "not served");
+    }
+    const int mine = memfd_with("rank " + std::to_string(rank));
+    const std::vector<int> fds = exchange_fds(b, mine, rank == 1 ? std::vector<int>{0} : std::vector<int>{},
+                                              std::chrono::seconds(20));
+    std::string report = "ok";
+    if (rank == 1 && (fds.size() != 1 || read_all(fds[0]) != "rank 0")) report = "rank 1 lost its descriptor";
+    for (int fd : fds) ::close(fd);
+    b.barrier();
+    return report;
+  });
+  EXPECT_EQ(run.reports[0], "ok");
+  EXPECT_EQ(run.reports[1], "ok");
+  EXPECT_EQ(run.reports[2], "not served");
 }
 
 }  // namespace
