@@ -30,7 +30,9 @@ Not handled (such buckets fall back to stock FSDP2, with one log line saying why
 hosts (CUDA), world size 1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
 tensor-subclass extensions (``fsdp_pre_all_gather``), DTensor parameters (TP/EP), non-dim-0
 placements, dtypes other than fp32/bf16/fp16. A reduce-scatter with an fp16 reduce dtype
-(pre-divide), or whose gradients do not fit the pool's windows, runs stock for that call.
+(pre-divide) runs stock for that call. Gradients larger than a pool window (accumulated in an fp32
+reduce dtype for bf16 params) stage in a second pool of windows of their size, made when first
+needed.
 """
 
 from __future__ import annotations
@@ -150,7 +152,9 @@ class _WindowPool:
 
     def __init__(self, group, slot_bytes: int, timeout_ms, name: str, device: torch.device):
         self.group, self.slot_bytes, self.timeout_ms, self.device = group, slot_bytes, timeout_ms, device
+        self.name = name
         self.bootstrap = store_bootstrap(group, name)
+        self.wide: dict = {}  # window bytes -> _WindowPool, for reduce-scatters that outgrow a slot
         self.free: list[_Slot] = []
         self.slots: list[_Slot] = []
         self.pending: list = []  # buckets whose params were freed; released at the next acquire
@@ -175,6 +179,24 @@ class _WindowPool:
 
     def release(self, slot: _Slot) -> None:
         self.free.append(slot)
+
+    def wide_pool(self, window_bytes: int) -> "_WindowPool":
+        """The pool of `window_bytes` windows for reduce-scatters whose gradients do not fit a slot
+        (gradient accumulation keeps bf16 params' unsharded gradients in an fp32 reduce dtype:
+        twice the slot). Same decision, same name on every rank: created together."""
+        pool = self.wide.get(window_bytes)
+        if pool is None:
+            pool = _WindowPool(self.group, window_bytes, self.timeout_ms,
+                               f"{self.name}/wide/{window_bytes}", self.device)
+            pool.stats_enabled = self.stats_enabled
+            self.wide[window_bytes] = pool
+        return pool
+
+    def all_slots(self) -> list:
+        return self.slots + [slot for pool in self.wide.values() for slot in pool.all_slots()]
+
+    def total_bytes(self) -> int:
+        return len(self.slots) * self.slot_bytes + sum(p.total_bytes() for p in self.wide.values())
 
     def release_pending(self) -> None:
         for bucket in self.pending:
@@ -339,7 +361,11 @@ class _TideReduceScatterComm:
         for p in layout.params:  # stock's flat output layout: padded shards back to back
             outputs.append(base + offset * itemsize)
             offset += p.shard_numel
-        slot = bucket.take_staging_slot()
+        if program.window_bytes > bucket.pool.slot_bytes:
+            staging_pool = bucket.pool.wide_pool(program.window_bytes)
+            slot = staging_pool.acquire()
+        else:
+            staging_pool, slot = bucket.pool, bucket.take_staging_slot()
         try:
             if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
                 stream = torch.cuda.current_stream(bucket.pool.device)
@@ -351,7 +377,7 @@ class _TideReduceScatterComm:
             else:
                 slot.executor.run(program, [g.data_ptr() for g in grads], outputs)
         finally:
-            bucket.pool.release(slot)
+            staging_pool.release(slot)
             self.grads = None
         return None
 
@@ -427,14 +453,6 @@ def _reduce_fallback_reason(bucket, fsdp_params, grads, a) -> str:
     if any(not g.is_contiguous() or tuple(g.shape) != tuple(fp._orig_size)
            for g, fp in zip(grads, fsdp_params)):
         return "non-contiguous or reshaped gradients"
-    subset_bytes = sum(math.prod(fp._orig_size) for fp in fsdp_params) * grads[0].element_size()
-    if subset_bytes > bucket.pool.slot_bytes:  # cheap bound before planning
-        layout_bytes = _tide.BucketLayout(
-            [_tide.ParamSpec("g", list(fp._orig_size), _TORCH_TO_TIDE[grad_dtype]) for fp in fsdp_params],
-            bucket.layout.topology).window_bytes
-        if layout_bytes > bucket.pool.slot_bytes:
-            return (f"{grad_dtype} gradients need a {layout_bytes} B window, the pool's are "
-                    f"{bucket.pool.slot_bytes} B")
     return ""
 
 
@@ -474,23 +492,25 @@ class TideFSDP:
 
     def pool_bytes(self) -> int:
         """Bytes of window memory this rank holds now (all pools)."""
-        return sum(len(p.slots) * p.slot_bytes for p in self.pools)
+        return sum(p.total_bytes() for p in self.pools)
 
     def enable_sm_stats(self, enabled: bool = True) -> None:
         """CUDA: time TIDE's kernels (cast, reduce) from now on (off by default: it adds events)."""
         for pool in self.pools:
-            for slot in pool.slots:
+            for slot in pool.all_slots():
                 if hasattr(slot.executor, "enable_stats"):
                     slot.executor.reset_stats()
                     slot.executor.enable_stats(enabled)
             pool.stats_enabled = enabled
+            for wide in pool.wide.values():
+                wide.stats_enabled = enabled
 
     def sm_cta_us(self) -> float:
         """CUDA: SM time of TIDE's kernels since enable_sm_stats, in CTA-microseconds (CTAs x kernel
         time; copies and flags use no SMs). Synchronizes the executors. 0 on CPU."""
         total = 0.0
         for pool in self.pools:
-            for slot in pool.slots:
+            for slot in pool.all_slots():
                 if hasattr(slot.executor, "stats"):
                     st = slot.executor.stats()
                     total += st.cast_cta_us + st.reduce_cta_us
@@ -498,7 +518,7 @@ class TideFSDP:
 
     def __repr__(self):
         return (f"TideFSDP({len(self.buckets)} buckets handled, {len(self.fallbacks)} fallbacks, "
-                f"{sum(len(p.slots) for p in self.pools)} pooled windows)")
+                f"{sum(len(p.all_slots()) for p in self.pools)} pooled windows)")
 
 
 _enabled: dict = {}  # id(module) -> TideFSDP

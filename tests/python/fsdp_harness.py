@@ -193,6 +193,7 @@ def run_scenario(opts, world):
         "buckets": len(handle.buckets),
         "fallbacks": [reason for _, reason in handle.fallbacks],
         "pooled_windows": sum(len(p.slots) for p in handle.pools),
+        "wide_windows": sum(len(w.slots) for p in handle.pools for w in p.wide.values()),
         "param_groups": len(handle.buckets) + len(handle.fallbacks),
     }
 
