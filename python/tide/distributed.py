@@ -22,3 +22,11 @@ def store_bootstrap(group, prefix: str) -> _tide.CallbackBootstrap:
         return [store.get(f"{prefix}/{r}/{q}") for q in range(world)]
 
     return _tide.CallbackBootstrap(rank, world, allgather)
+
+
+def nccl_comm(group, prefix: str = "tide/nccl") -> _tide.NcclComm:
+    """A TIDE NCCL communicator over the ranks of a torch.distributed process group (NCCL rank i =
+    group rank i = TIDE rank i), for CudaExecutor's network ops across nodes. Its unique id travels
+    through the default Store; NCCL itself is the libnccl PyTorch loaded (or TIDE_NCCL_LIB). Call
+    it on every rank of `group`, with the CUDA device already set; `prefix` unique per call."""
+    return _tide.NcclComm.create(store_bootstrap(group, prefix))
