@@ -1083,8 +1083,10 @@ bool run_single_child(const std::function<void()>& body) {
 
 void print_summary() {
   const std::vector<Row> rows = read_rows();
-  std::printf("\n==== Summary (single-GPU emulation: every rank on one H200, so transport is "
-              "HBM-bound, not NVLink-bound) ====\n");
+  // Ranks share a GPU only when there are more ranks than GPUs (every mode on a one-GPU machine);
+  // compare and the multi-GPU interference rows run one rank per GPU.
+  std::printf("\n==== Summary (%d GPU(s); ranks sharing a GPU are HBM-bound, not NVLink-bound) ====\n",
+              cuda_device_count());
   for (const Row& r : rows)
     if (r.section == "ceiling")
       std::printf("ceiling   %-44s %8.0f GB/s  %s\n", r.label.c_str(), r.algbw, r.note.c_str());
