@@ -26,7 +26,19 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+# tide-bench compares against stock NCCL collectives on machines that may be shared: NVLink
+# multicast (NVLS) can take a shared host's GPUs out of service, so it stays off unless the user
+# explicitly set these (TIDE itself never uses multicast).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _no_multicast() -> None:
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+
+
 def _spawned(rank, world, port, device, fn, args, out_dir):
+    _no_multicast()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if device == "cuda":
@@ -52,6 +64,7 @@ def run_ranks(world: int, device: str, fn, *args) -> list:
 def run_torchrun(device: str, fn, *args) -> list | None:
     """In a torchrun-started process: runs fn on this rank; rank 0 gets every rank's result."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _no_multicast()
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
