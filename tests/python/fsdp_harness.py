@@ -1,4 +1,5 @@
-"""A small Llama-style model trained under FSDP2 with TIDE on and off, ranks as spawned processes.
+"""A small Llama-style model trained under FSDP2 with TIDE on and off, ranks as spawned processes
+(on CPU, or sharing CUDA devices: several ranks per GPU, gloo as FSDP2's process group).
 
 Each scenario trains the same model from the same seed three times: stock FSDP2, TIDE, TIDE again.
 The worker reports, per scenario, the parameter differences, whether the two TIDE runs were bitwise
@@ -121,9 +122,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(opts, world):
-    torch.manual_seed(0)
-    model = TinyLlama(tied=opts.get("tied", False), checkpointed=opts.get("checkpointed", False))
+def build(opts, world, device):
+    torch.manual_seed(0)  # initialised on CPU: the same weights on every device
+    model = TinyLlama(tied=opts.get("tied", False), checkpointed=opts.get("checkpointed", False)).to(device)
     kwargs = {}
     if "mp" in opts:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=opts["mp"][0], reduce_dtype=opts["mp"][1])
@@ -131,7 +132,7 @@ def build(opts, world):
         kwargs["reshard_after_forward"] = opts["reshard"]
     if opts.get("hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
-        kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        kwargs["mesh"] = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -150,7 +151,7 @@ def build(opts, world):
     return model
 
 
-def train(model, opts, steps=3):
+def train(model, opts, device, steps=3):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     micro = opts.get("accumulate", 1)
@@ -159,26 +160,26 @@ def train(model, opts, steps=3):
         for _ in range(steps):
             for m in range(micro):
                 model.set_requires_gradient_sync(m == micro - 1)
-                tokens = torch.randint(0, VOCAB, (2, 8), generator=gen)
+                tokens = torch.randint(0, VOCAB, (2, 8), generator=gen).to(device)
                 logits = model(tokens)
                 loss = F.cross_entropy(logits.view(-1, VOCAB), tokens.roll(-1, 1).view(-1))
                 loss.backward()
             opt.step()
             opt.zero_grad()
-    params = [p.to_local().detach().clone() for p in model.parameters()]
+    params = [p.to_local().detach().cpu().clone() for p in model.parameters()]
     return params, counter.counts
 
 
-def run_scenario(opts, world):
+def run_scenario(opts, world, device):
     import tide.fsdp
 
     stock_opts = {**opts, **opts.get("stock", {})}
-    stock, stock_ops = train(build(stock_opts, world), stock_opts)
+    stock, stock_ops = train(build(stock_opts, world, device), stock_opts, device)
     runs = []
     for _ in range(2):
-        model = build(opts, world)
+        model = build(opts, world, device)
         handle = tide.fsdp.enable(model)
-        params, ops = train(model, opts)
+        params, ops = train(model, opts, device)
         runs.append((params, ops, handle))
         tide.fsdp.disable(model)
     (tide_a, ops_a, handle), (tide_b, _, _) = runs
@@ -198,14 +199,21 @@ def run_scenario(opts, world):
     }
 
 
-def _worker(rank, world, port, names, out_dir):
+def _worker(rank, world, port, names, out_dir, device_type):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu")
+    if device_type == "cuda":  # ranks share the GPUs; NCCL refuses that, gloo does not
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        # Bitwise comparisons need run-to-run identical compute (cuBLAS workspaces, no atomics).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
         for name in names:
             try:
-                results[name] = run_scenario(SCENARIOS[name][1], world)
+                results[name] = run_scenario(SCENARIOS[name][1], world, device)
             except Exception as e:  # noqa: BLE001 - reported to the test
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -219,11 +227,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_world(world: int) -> dict:
-    """Runs every scenario that applies to `world`; returns {scenario: [result per rank]}."""
+def run_world(world: int, device_type: str = "cpu") -> dict:
+    """Runs every scenario that applies to `world` on `device_type` ("cpu" or "cuda"); returns
+    {scenario: [result per rank]}."""
     names = [n for n, (worlds, _) in SCENARIOS.items() if world in worlds]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, _free_port(), names, out_dir), nprocs=world,
+        mp.start_processes(_worker, args=(world, _free_port(), names, out_dir, device_type), nprocs=world,
                            join=True, start_method="spawn")
         per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
     return {n: [per_rank[r][n] for r in range(world)] for n in names}

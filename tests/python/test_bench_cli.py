@@ -12,6 +12,7 @@ from tide.bench import cli
     (["fsdp", "--steps", "abc"], "--steps 'abc': expected a positive integer"),
     (["fsdp", "--world", "1"], "--world 1: FSDP needs at least 2 ranks"),
     (["fsdp", "--warmup", "-1"], "--warmup -1: expected >= 0"),
+    (["fsdp", "--layers", "0"], "--layers 0: expected a positive integer"),
     (["fsdp", "--model", "huge"], "invalid choice: 'huge'"),
     (["collectives", "--min-bytes", "100", "--max-bytes", "10"], "--min-bytes 100 > --max-bytes 10"),
     (["interference", "--device", "cpu"], "interference needs a CUDA GPU"),
@@ -27,7 +28,7 @@ def test_argument_errors_are_clear(argv, fragment, capsys):
 def test_fsdp_cpu_run_writes_complete_json_and_plots(tmp_path, capsys):
     out = tmp_path / "fsdp.json"
     plots = tmp_path / "plots"
-    assert cli.main(["fsdp", "--device", "cpu", "--model", "tiny", "--world", "2", "--steps", "2",
+    assert cli.main(["fsdp", "--device", "cpu", "--model", "tiny", "--layers", "1", "--world", "2", "--steps", "2",
                      "--warmup", "0", "--seq", "16", "--json", str(out), "--plot-dir", str(plots),
                      "--no-progress"]) == 0
     text = capsys.readouterr().out
@@ -38,12 +39,14 @@ def test_fsdp_cpu_run_writes_complete_json_and_plots(tmp_path, capsys):
         assert key in data, key
     for mode in ("stock", "tide"):
         for key in ("step_ms", "collectives_ms", "layout_copy_mib", "peak_memory_mib",
-                    "peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_window_mib", "sm_cta_us"):
+                    "peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_window_mib", "sm_cta_us",
+                    "ranks_share_gpus"):
             assert key in data[mode], (mode, key)
         assert data[mode]["step_ms"] > 0 and data[mode]["peak_memory_mib"] > 0
     assert data["stock"]["layout_copy_mib"] > 0          # stock converts layouts every step
     assert data["tide"]["layout_copy_mib"] == 0          # TIDE never does
-    assert data["tide"]["tide_buckets"] == 3 and data["tide"]["tide_window_mib"] > 0
+    assert data["config"]["layers"] == 1                  # --layers overrides the preset's 2
+    assert data["tide"]["tide_buckets"] == 2 and data["tide"]["tide_window_mib"] > 0
     assert data["max_abs_diff"] == 0.0                   # W = 2, fp32: bitwise
     for name in ("fsdp_step_time.png", "fsdp_memory.png"):
         png = (plots / name).read_bytes()

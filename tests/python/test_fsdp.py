@@ -1,4 +1,7 @@
-"""tide.fsdp inside real FSDP2 training on CPU (gloo), W = 2, 3, 4: TIDE on vs off.
+"""tide.fsdp inside real FSDP2 training, TIDE on vs off: on CPU (gloo) at W = 2, 3, 4, and with
+W = 2, 3 ranks as processes sharing a GPU (gloo as FSDP2's process group, TIDE's CUDA transport;
+skipped without a GPU). The same scenarios and tolerances on both devices (on the GPU with
+deterministic algorithms, so that compute is identical run to run).
 
 Tolerances. At W = 2 every reduction is a sum of two numbers, which cannot depend on order, and
 all-gather/casts are exact and identical, so parameters must be bitwise equal to stock FSDP2 (fp32
@@ -12,13 +15,23 @@ the next step's gradients, and a bf16 reduce dtype rounds stock's partial sums t
 accumulates in fp32 and rounds once: we allow 1e-3 absolute there (measured: <= 3.1e-5). TIDE itself must be bitwise reproducible run to run."""
 
 import pytest
+import torch
 
 import fsdp_harness as h
+import tide
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
+def _on_gpu(world):
+    return pytest.param(("cuda", world), id=f"cuda-W{world}", marks=pytest.mark.skipif(
+        not (tide.cuda_built and torch.cuda.is_available()),
+        reason="needs a CUDA build of TIDE and a GPU (the ranks share it, gloo as process group)"))
+
+
+@pytest.fixture(scope="module", params=[pytest.param(("cpu", w), id=f"cpu-W{w}") for w in (2, 3, 4)]
+                + [_on_gpu(2), _on_gpu(3)])
 def world_results(request):
-    return request.param, h.run_world(request.param)
+    device, world = request.param
+    return world, h.run_world(world, device)
 
 
 def _cases(world_results):

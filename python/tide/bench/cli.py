@@ -10,6 +10,7 @@ Ranks are spawned processes by default (`--world`); under torchrun the launched 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -46,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fsdp", parents=[common], help="train with stock FSDP2 and with TIDE")
     f.add_argument("--model", choices=sorted(PRESETS), default=None,
                    help="embedded model (default: cpu on CPU, 8b-layers on GPUs)")
+    f.add_argument("--layers", type=_positive("layers"), default=None,
+                   help="decoder layers (default: the model's)")
     f.add_argument("--steps", type=_positive("steps"), default=5)
     f.add_argument("--warmup", type=int, default=1)
     f.add_argument("--batch", type=_positive("batch"), default=4)
@@ -86,6 +89,8 @@ def _fsdp(args, parser, device) -> int:
         parser.error(f"--warmup {args.warmup}: expected >= 0")
     model_name = args.model or ("cpu" if device == "cpu" else "8b-layers")
     cfg = PRESETS[model_name]
+    if args.layers is not None:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
     if args.world is not None and args.world < 2 and not under_torchrun():
         parser.error(f"--world {args.world}: FSDP needs at least 2 ranks to compare collectives")
     mp = args.mp or ("fp32" if device == "cpu" else "bf16")
@@ -102,7 +107,7 @@ def _fsdp(args, parser, device) -> int:
         keys = ("step_ms", "collectives_ms", "peak_memory_mib")
         out = {k: max(r[k] for r in runs) for k in keys}  # the slowest / largest rank
         out["layout_copy_mib"] = runs[0]["layout_copy_bytes"] / MIB
-        for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks"):
+        for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "ranks_share_gpus"):
             out[k] = runs[0][k]
         out["tide_window_mib"] = max(r["tide_window_mib"] for r in runs)
         sm = [r["sm_cta_us"] for r in runs if r.get("sm_cta_us") is not None]
@@ -176,6 +181,9 @@ def _interference(args, parser, device) -> int:
         parser.error(f"--iters {args.iters}: expected >= 20 (medians of at least 20 runs)")
     if args.world < 2 and not under_torchrun():
         parser.error(f"--world {args.world}: needs 2 ranks or more, one per GPU")
+    if not under_torchrun() and args.world > torch.cuda.device_count():
+        parser.error(f"--world {args.world}: interference runs one rank per GPU and this machine "
+                     f"has {torch.cuda.device_count()}")
     results = _launch(args, device, run_interference, {"iters": args.iters})
     if results is None:
         return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import sys
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as _collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _group_mod
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -79,6 +81,26 @@ class CollectiveTimer:
             setattr(_group_mod, name, fn)
 
 
+@contextlib.contextmanager
+def _in_place_gloo_reduce_scatter():
+    """Ranks sharing a GPU run stock FSDP2 over gloo, whose reduce-scatter clones its whole input
+    on the GPU (a full-group buffer NCCL does not allocate). Stock's reduce-scatter then runs as an
+    in-place all-reduce of FSDP2's scratch input (dead after the call) and a copy of this rank's
+    chunk, so stock's GPU memory is what it would be under NCCL."""
+    cls = _collectives.DefaultReduceScatter
+    saved = cls.__call__
+
+    def in_place(self, output_tensor, input_tensor, group, op, async_op=False):
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()].view_as(output_tensor))
+
+    cls.__call__ = in_place
+    try:
+        yield
+    finally:
+        cls.__call__ = saved
+
+
 def _build(cfg: LlamaConfig, device: str, mp: str, world: int):
     torch.manual_seed(0)
     with torch.device(device):
@@ -107,6 +129,16 @@ def _progress(label: str, done: int, total: int) -> None:
 def run_mode(rank: int, world: int, mode: str, cfg_dict: dict, opts: dict) -> dict:
     """One rank's run of one mode ("stock" or "tide")."""
     device, cfg = opts["device"], LlamaConfig(**cfg_dict)
+    shared_gpus = device == "cuda" and dist.get_backend() == "gloo"  # see launch.backend_for
+    with contextlib.ExitStack() as stack:
+        if shared_gpus and mode == "stock":
+            stack.enter_context(_in_place_gloo_reduce_scatter())
+        result = _train(rank, mode, cfg, device, world, opts)
+    result["ranks_share_gpus"] = shared_gpus
+    return result
+
+
+def _train(rank: int, mode: str, cfg: LlamaConfig, device: str, world: int, opts: dict) -> dict:
     model = _build(cfg, device, opts["mp"], world)
     handle = None
     if mode == "tide":
@@ -133,11 +165,13 @@ def run_mode(rank: int, world: int, mode: str, cfg_dict: dict, opts: dict) -> di
     with counter:
         one_step()
     sm_cta_us = None  # TIDE's kernels' SM time in one step (CUDA); NCCL's cannot be timed from here
-    if handle is not None and device == "cuda":
-        handle.enable_sm_stats(True)
+    if device == "cuda":  # both modes take this step: their parameters must see the same updates
+        if handle is not None:
+            handle.enable_sm_stats(True)
         one_step()
-        sm_cta_us = handle.sm_cta_us()
-        handle.enable_sm_stats(False)
+        if handle is not None:
+            sm_cta_us = handle.sm_cta_us()
+            handle.enable_sm_stats(False)
     for step in range(total):
         with CollectiveTimer(device) as timer:
             t0 = time.perf_counter()

@@ -22,8 +22,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def backend_for(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
+def ranks_share_gpus(device: str, ranks_here: int) -> bool:
+    """More ranks on this host than GPUs: several ranks per GPU (single-GPU emulation)."""
+    return device == "cuda" and ranks_here > torch.cuda.device_count()
+
+
+def backend_for(device: str, ranks_here: int) -> str:
+    # NCCL refuses two ranks on one GPU; gloo then carries FSDP2's process group.
+    return "nccl" if device == "cuda" and not ranks_share_gpus(device, ranks_here) else "gloo"
 
 
 # tide-bench compares against stock NCCL collectives on machines that may be shared: NVLink
@@ -45,7 +51,7 @@ def _spawned(rank, world, port, device, fn, args, out_dir):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:  # ranks share this host's cores: one share each, not every core per rank
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend_for(device), rank=rank, world_size=world)
+    dist.init_process_group(backend_for(device, world), rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -65,10 +71,11 @@ def run_torchrun(device: str, fn, *args) -> list | None:
     """In a torchrun-started process: runs fn on this rank; rank 0 gets every rank's result."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _no_multicast()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device))
+        dist.init_process_group(backend_for(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     result = fn(rank, world, *args)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
