@@ -70,7 +70,7 @@ class Block(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, layers=3, tied=False, checkpointed=False):
+    def __init__(self, layers=5, tied=False, checkpointed=False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block(checkpointed) for _ in range(layers))

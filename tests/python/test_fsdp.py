@@ -81,11 +81,14 @@ def test_windows_are_pooled_not_per_group(world_results):
     world, _ = world_results
     for name, opts, per_rank in _cases(world_results):
         r = per_rank[0]
-        if r["buckets"] < 4:
+        if r["buckets"] < 6:
             continue
-        # 4 groups (3 blocks + root). Unsharded at once: the root (kept through forward), the
-        # current block and at most one prefetched: 3 windows, or all with reshard_after_forward=False.
-        limit = r["buckets"] if opts.get("reshard") is False else 3
+        # 6 groups (5 blocks + root). Unsharded at once: the root (kept through forward), the
+        # block being computed, one prefetched, and in backward possibly the block after it, whose
+        # post-backward (which frees it) the autograd engine may run after the next block's
+        # pre-backward (which prefetches): seen on CUDA, where stock FSDP2 holds the same 4. All
+        # of them with reshard_after_forward=False.
+        limit = r["buckets"] if opts.get("reshard") is False else 4
         assert r["pooled_windows"] <= limit, f"W={world} {name}: {r['pooled_windows']} windows for {r['buckets']} groups"
 
 
