@@ -16,9 +16,10 @@ What changes for a handled FSDP2 param group ("bucket"):
   is stock FSDP2's own code.
 
 Memory: a bucket's unsharded parameters keep one address for the life of the model (a reserved
-address range), and the memory behind it comes from a small pool of windows shared by all buckets
-of a process group, so memory stays that of the buckets unsharded at once (prefetch depth), not of
-the model. Autograd's saved views of parameters stay valid because the address never changes.
+address range), and the memory behind it comes from small pools of windows shared by the buckets
+of a process group's ranks, one pool per size class (a root's embedding and head do not size the
+layers' slots), so memory stays that of the buckets unsharded at once (prefetch depth), not of the
+model. Autograd's saved views of parameters stay valid because the address never changes.
 
 On CUDA devices the windows are VMM windows (cuMemCreate; peers map each other's through file
 descriptors passed between the rank processes) and each bucket's fixed address is a reserved
@@ -127,7 +128,7 @@ def _all_gather_result(output: torch.Tensor, fsdp_params, numels: list, event=No
     return _collectives.AllGatherResult(**{f: fields[f] for f in _collectives.AllGatherResult._fields})
 
 
-# --- windows: a pool per process group ----------------------------------------------------------
+# --- windows: pools per process group's ranks and size class ----------------------------------------------------------
 
 class _Slot:
     """One pooled window and the executor that runs programs on it. On CUDA, `ready` is the event
@@ -572,6 +573,23 @@ def _bucket_fallback_reason(param_group, group) -> str:
     return ""
 
 
+SIZE_CLASS_RATIO = 1.25
+
+
+def _size_classes(buckets: list) -> list:
+    """Buckets grouped into pools of similar window size: each pool's slots are as large as its
+    largest bucket, so one pool for a root (embedding + head) and the layers would size every
+    layer's slot for the root. A class holds sizes within SIZE_CLASS_RATIO of its smallest.
+    Deterministic in the layouts, hence the same on every rank."""
+    classes: list = []
+    for b in sorted(buckets, key=lambda b: (b.layout.window_bytes, b.id)):
+        if classes and b.layout.window_bytes <= SIZE_CLASS_RATIO * classes[-1][0].layout.window_bytes:
+            classes[-1].append(b)
+        else:
+            classes.append([b])
+    return classes
+
+
 def enable(module: torch.nn.Module, *, timeout_ms: int | None = None) -> TideFSDP:
     """Turns TIDE on for every FSDP2 param group under `module` (call after ``fully_shard``, with the
     model sharded: before the first step or between steps). Returns what was handled."""
@@ -587,7 +605,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None) -> TideFSD
                          "fully_shard(...) on it (or its submodules) first")
     _install()
     result = TideFSDP()
-    by_pg: dict = {}
+    by_ranks: dict = {}  # (ranks, device) -> buckets
     for pg in groups:
         fqn = getattr(pg, "_module_fqn", "") or "<root>"
         if any(getattr(fp, "_tide_bucket", None) is not None for fp in pg.fsdp_params):
@@ -608,16 +626,19 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None) -> TideFSD
                  for i, fp in enumerate(pg.fsdp_params)]
         layout = _tide.BucketLayout(specs, _tide.Topology.single_node(world))
         bucket = _Bucket(next(_bucket_ids), pg, group, pg.fsdp_params, layout)
-        by_pg.setdefault(group, []).append(bucket)
+        # FSDP2 may give each param group its own process-group object over the same ranks; TIDE
+        # talks through windows, not the group, so those buckets share pools.
+        key = (tuple(dist.get_process_group_ranks(group)), str(pg.device))
+        by_ranks.setdefault(key, []).append(bucket)
         result.buckets.append(bucket)
-    for n, (group, buckets) in enumerate(by_pg.items()):
-        ranks = dist.get_process_group_ranks(group)
-        name = f"tide/pool/{'-'.join(map(str, ranks))}/{buckets[0].id}"
-        pool = _WindowPool(group, max(b.layout.window_bytes for b in buckets), timeout_ms, name,
-                           buckets[0].param_group.device)
-        result.pools.append(pool)
-        for b in buckets:
-            b.attach(pool)
+    for (ranks, _), buckets in by_ranks.items():
+        for members in _size_classes(buckets):
+            name = f"tide/pool/{'-'.join(map(str, ranks))}/{members[0].id}"
+            pool = _WindowPool(members[0].group, max(b.layout.window_bytes for b in members), timeout_ms,
+                               name, members[0].param_group.device)
+            result.pools.append(pool)
+            for b in members:
+                b.attach(pool)
     for b in result.buckets:
         for fp in b.fsdp_params:
             # A stock all-gather may have run before: its tensors must not back TIDE's params.

@@ -104,6 +104,8 @@ SCENARIOS = {
     "force_sum_reduction": ((2,), {"force_sum": True}),
     "tied_embeddings": ((2, 3), {"tied": True}),
     "hsdp_2x2": ((4,), {"hsdp": True}),
+    # A process-group object per layer over the same ranks (as FSDP2 can make): pools still shared.
+    "group_per_layer": ((2, 3), {"group_per_layer": True}),
 }
 
 COUNTED_OPS = ("split_with_sizes_copy", "chunk_cat", "all_gather_copy_in")
@@ -133,9 +135,11 @@ def build(opts, world, device):
     if opts.get("hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         kwargs["mesh"] = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    for module in [*model.blocks, model]:  # blocks, then the root
+        if opts.get("group_per_layer"):
+            from torch.distributed.device_mesh import DeviceMesh
+            kwargs["mesh"] = DeviceMesh.from_group(dist.new_group(list(range(world))), device.type)
+        fully_shard(module, **kwargs)
     if opts.get("prefetch"):
         blocks = list(model.blocks)
         for i, block in enumerate(blocks):
@@ -194,6 +198,7 @@ def run_scenario(opts, world, device):
         "buckets": len(handle.buckets),
         "fallbacks": [reason for _, reason in handle.fallbacks],
         "pooled_windows": sum(len(p.slots) for p in handle.pools),
+        "pools": len(handle.pools),
         "wide_windows": sum(len(w.slots) for p in handle.pools for w in p.wide.values()),
         "param_groups": len(handle.buckets) + len(handle.fallbacks),
     }

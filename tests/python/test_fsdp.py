@@ -89,6 +89,8 @@ def test_windows_are_pooled_not_per_group(world_results):
         # pre-backward (which prefetches): seen on CUDA, where stock FSDP2 holds the same 4. All
         # of them with reshard_after_forward=False.
         limit = r["buckets"] if opts.get("reshard") is False else 4
+        # Two size classes: the root (embedding, norm, head) and the blocks.
+        assert r["pools"] == 2, f"W={world} {name}: {r['pools']} pools for {r['buckets']} groups"
         assert r["pooled_windows"] <= limit, f"W={world} {name}: {r['pooled_windows']} windows for {r['buckets']} groups"
 
 
