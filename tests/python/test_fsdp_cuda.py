@@ -1,8 +1,9 @@
-"""tide.fsdp on CUDA devices: stock FSDP2 (NCCL) and TIDE train the same model side by side on two
+"""tide-bench on CUDA devices. fsdp: stock FSDP2 (NCCL) and TIDE train the same model side by side on two
 GPUs (one rank each); with fp32 everywhere at W = 2 every reduction is a sum of two, which cannot
 depend on order, so the final parameters must be bitwise equal; with bf16 params and fp32
-reduction likewise (the same two-term sums). Skipped, saying why, without two GPUs or without a
-CUDA build of TIDE (CI has neither)."""
+reduction likewise (the same two-term sums); with more ranks than GPUs, within the tolerance of
+test_fsdp.py. collectives: the GPU sweep (CUDA executor vs NCCL) checks every row. Skipped, saying
+why, without the GPUs or without a CUDA build of TIDE (CI has neither)."""
 
 import json
 
@@ -46,3 +47,14 @@ def test_ranks_sharing_gpus_match_stock(tmp_path, capsys):
     assert data["tide"]["tide_buckets"] == 3 and not data["tide"]["tide_fallbacks"]
     assert data["tide"]["layout_copy_mib"] == 0 and data["stock"]["layout_copy_mib"] > 0
     assert data["max_abs_diff"] <= 1e-6, capsys.readouterr().out
+
+
+@needs_two_gpus
+def test_collectives_sweep_on_gpus_checks_every_row(tmp_path):
+    out = tmp_path / "coll.json"
+    assert cli.main(["collectives", "--device", "cuda", "--world", "2", "--min-bytes", "1048576",
+                     "--max-bytes", "4194304", "--iters", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["collective"], r["bytes"]) for r in rows] == [
+        ("AG", 1048576), ("RS", 1048576), ("AG", 4194304), ("RS", 4194304)]
+    assert all(r["check"] for r in rows)

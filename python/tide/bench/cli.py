@@ -130,9 +130,13 @@ def _fsdp(args, parser, device) -> int:
 def _collectives(args, parser, device) -> int:
     from .collectives_bench import run_sweep
 
-    if device != "cpu":
-        parser.error("collectives: the GPU sweep is the C++ benchmark `tide_bench_cuda` "
-                     "(bench/cuda, built with the repository); this command runs on CPU (--device cpu)")
+    if device == "cuda":
+        from .. import _tide
+        if not _tide.cuda_built:
+            parser.error("collectives: this build of TIDE has no CUDA transport (built without nvcc)")
+        if not under_torchrun() and args.world > torch.cuda.device_count():
+            parser.error(f"--world {args.world}: collectives on GPUs runs one rank per GPU (NCCL for "
+                         f"the stock path) and this machine has {torch.cuda.device_count()}")
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}")
     sizes, size = [], args.min_bytes
@@ -147,8 +151,9 @@ def _collectives(args, parser, device) -> int:
         for r, o in zip(rows, other):
             r["stock_ms"], r["tide_ms"] = max(r["stock_ms"], o["stock_ms"]), max(r["tide_ms"], o["tide_ms"])
             r["check"] = r["check"] and o["check"]
-    print(f"# tide-bench collectives, W = {rows[0]['world'] if rows else '-'}, {device} "
-          f"(host executor and gloo: memory-bound on this host, not a network figure)")
+    where = ("host executor and gloo: memory-bound on this host, not a network figure" if device == "cpu"
+             else "CUDA executor vs NCCL, one rank per GPU; wall time per call incl. launches")
+    print(f"# tide-bench collectives, W = {rows[0]['world'] if rows else '-'}, {device} ({where})")
     print(report.collectives_table(rows))
     if args.json:
         report.write_json(args.json, {"device": device, "rows": rows, "torch": torch.__version__})

@@ -3,8 +3,9 @@
 The stock path is what FSDP2 does around its collective: AG = cast shards into a flat buffer
 (copy-in) + all_gather_into_tensor + split_with_sizes_copy into per-param tensors (copy-out);
 RS = chunk_cat of bf16 gradients into a full-group fp32 buffer (copy-in) + reduce_scatter_tensor.
-TIDE runs its own AG/RS programs (host executor on CPU). Buckets are 4 params of equal size.
-Every timed configuration is checked: TIDE's result against the stock path's.
+TIDE runs its own AG/RS programs: the host executor and gloo on CPU; on GPUs (one rank per GPU)
+the CUDA executor (copy engines, cast/reduce kernels) and NCCL for the stock path. Buckets are 4
+params of equal size. Every timed configuration is checked: TIDE's result against the stock path's.
 """
 
 from __future__ import annotations
@@ -28,40 +29,55 @@ def _shapes(total_bytes: int, world: int) -> list:
     return [(rows, 256)] * PARAMS_PER_BUCKET
 
 
-def _median_ms(fn, iters: int) -> float:
+def _median_ms(fn, iters: int, cuda: bool) -> float:
+    """Median wall time of fn over `iters` runs, each started together on every rank (barrier) and,
+    on GPUs, ended when this rank's device work is done."""
     fn()
     times = []
     for _ in range(iters):
         dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     times.sort()
     return statistics.median(times) * 1e3
 
 
+def _window_and_executor(boot, window_bytes: int, cuda: bool):
+    if cuda:
+        window = tide.CudaWindow.create(boot, window_bytes)
+        return window, tide.CudaExecutor(window, torch.cuda.current_stream().cuda_stream)
+    window = tide.HostWindow.create(boot, window_bytes)
+    return window, tide.HostExecutor(window)
+
+
 def run_sweep(rank: int, world: int, sizes: list, iters: int) -> list:
+    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rows = []
     for size in sizes:
         shapes = _shapes(size, world)
         specs = [tide.ParamSpec(f"p{i}", list(s), tide.DType.bf16, tide.DType.fp32) for i, s in enumerate(shapes)]
         layout = tide.BucketLayout(specs, tide.Topology.single_node(world))
         boot = store_bootstrap(dist.group.WORLD, f"tide-bench/collectives/{size}")
-        window = tide.HostWindow.create(boot, layout.window_bytes)
-        executor = tide.HostExecutor(window)
+        window, executor = _window_and_executor(boot, layout.window_bytes, cuda)
         gen = torch.Generator().manual_seed(rank)
         shard_numel = [p.shard_numel for p in layout.params]
-        shards = [torch.randn(n, generator=gen) for n in shard_numel]
-        grads = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
+        shards = [torch.randn(n, generator=gen).to(device) for n in shard_numel]
+        grads = [torch.randn(s, generator=gen).to(torch.bfloat16).to(device) for s in shapes]
         ag_prog = tide.plan_all_gather(layout, rank)
         rs_prog = tide.plan_reduce_scatter(layout, rank, tide.ReduceOptions(kind=tide.ReduceKind.sum))
-        tide_out = [torch.empty(n) for n in shard_numel]
+        tide_out = [torch.empty(n, device=device) for n in shard_numel]
 
-        flat_in = torch.empty(sum(shard_numel), dtype=torch.bfloat16)
-        flat_out = torch.empty(world * sum(shard_numel), dtype=torch.bfloat16)
-        per_param = [torch.empty(world * n, dtype=torch.bfloat16) for n in shard_numel]
-        rs_in = torch.empty(world * sum(shard_numel))
-        rs_out = torch.empty(sum(shard_numel))
+        flat_in = torch.empty(sum(shard_numel), dtype=torch.bfloat16, device=device)
+        flat_out = torch.empty(world * sum(shard_numel), dtype=torch.bfloat16, device=device)
+        per_param = [torch.empty(world * n, dtype=torch.bfloat16, device=device) for n in shard_numel]
+        rs_in = torch.empty(world * sum(shard_numel), device=device)
+        rs_out = torch.empty(sum(shard_numel), device=device)
 
         def stock_ag():
             torch.cat([s.to(torch.bfloat16) for s in shards], out=flat_in)                   # copy-in
@@ -80,9 +96,11 @@ def run_sweep(rank: int, world: int, sizes: list, iters: int) -> list:
             executor.run(rs_prog, [g.data_ptr() for g in grads], [o.data_ptr() for o in tide_out])
 
         for name, stock_fn, tide_fn in (("AG", stock_ag, tide_ag), ("RS", stock_rs, tide_rs)):
-            stock_ms = _median_ms(stock_fn, iters)
-            tide_ms = _median_ms(tide_fn, iters)
-            ok = _check(name, layout, window, rank, per_param, rs_out, tide_out)
+            stock_ms = _median_ms(stock_fn, iters, cuda)
+            tide_ms = _median_ms(tide_fn, iters, cuda)
+            if cuda:
+                torch.cuda.synchronize()
+            ok = _check(name, layout, window, rank, per_param, rs_out, tide_out, device)
             rows.append({"collective": name, "bytes": size, "world": world, "stock_ms": stock_ms,
                          "tide_ms": tide_ms, "check": ok})
         dist.barrier()
@@ -90,12 +108,17 @@ def run_sweep(rank: int, world: int, sizes: list, iters: int) -> list:
     return rows
 
 
-def _check(name, layout, window, rank, per_param, rs_out, tide_out) -> bool:
-    if name == "AG":
-        import ctypes
+def _check(name, layout, window, rank, per_param, rs_out, tide_out, device) -> bool:
+    if name == "AG":  # TIDE's gathered params, in its window, against stock's copy-out
         for p, ref in zip(layout.params, per_param):
-            raw = (ctypes.c_uint8 * (ref.numel() * 2)).from_address(window.data_ptr(rank) + p.window_offset)
-            if not torch.equal(torch.frombuffer(raw, dtype=torch.bfloat16), ref):
+            ptr, nbytes = window.data_ptr(rank) + p.window_offset, ref.numel() * 2
+            if device.type == "cuda":
+                from ..fsdp import _DeviceBytes
+                raw = torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
+            else:
+                import ctypes
+                raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+            if not torch.equal(raw.view(torch.bfloat16), ref):
                 return False
         return True
     flat = torch.cat(tide_out)
