@@ -147,7 +147,8 @@ struct Program {
 // chunk_bytes (one send/recv pair each), and a rank has at most max_chunks_in_flight sends to one
 // peer outstanding before it receives from it: bytes in flight per step and per peer are bounded by
 // chunk_bytes x max_chunks_in_flight. The reduce-scatter's staging ring has ring_depth send buffers
-// of one chunk (plus one receive and one local-partial buffer).
+// of one chunk (plus two receive buffers, so that one chunk's transfer overlaps another's reduce,
+// and one local-partial buffer).
 struct NetOptions {
   std::size_t chunk_bytes = std::size_t{1} << 20;  // multiple of 16, >= 16
   int max_chunks_in_flight = 4;                    // in [1, kNetQueueDepth]

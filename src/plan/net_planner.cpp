@@ -93,7 +93,7 @@ std::size_t rs_staging_bytes(const BucketLayout& layout, const NetOptions& net) 
   // Recursive halving keeps one fp32 slice (>= 1 element) per node in the ring's place.
   const int N = layout.topology().nodes;
   const bool halving = net.rs_recursive_halving && (N & (N - 1)) == 0;
-  return 2 * chunk + (halving ? std::max(ring, round_up(std::size_t(N) * 4, kStagingAlign)) : ring);
+  return 3 * chunk + (halving ? std::max(ring, round_up(std::size_t(N) * 4, kStagingAlign)) : ring);
 }
 
 std::size_t stock_rs_buffer_bytes(const BucketLayout& layout) {
@@ -203,8 +203,9 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   program.window_bytes = base + rs_staging_bytes(layout, net);
   const int64_t chunk_elems = rs_chunk_elems(layout, net);
   const std::size_t cb = round_up(chunk_elems * 4, kStagingAlign);
-  const std::size_t R = base, T = base + cb;
-  auto S = [&](int j) { return base + (2 + j) * cb; };
+  // Staging: two receive buffers (R, R1), the local partial T, then the send ring S(j).
+  const std::size_t R = base, T = base + cb, R1 = base + 2 * cb;
+  auto S = [&](int j) { return base + (3 + j) * cb; };
 
   // Phase 1: chunks destined to rail q go to local rank q's slot(i, m * L + l), m = every node.
   const std::vector<int> locals = local_peers(t, rank);
@@ -245,10 +246,10 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   const int ch = 1;
   if (net.rs_recursive_halving && (N & (N - 1)) == 0) {
     // Recursive halving per slice: a slice holds elements [e0, e0 + ce) of every block, one staging
-    // slot per block (ce shrinks as 1/N so the staging stays (2 + ring_depth) chunks). At step k
+    // slot per block (ce shrinks as 1/N so the staging stays (3 + ring_depth) chunks). At step k
     // (distance d = N >> (k + 1)) node n keeps the blocks whose bit d matches its own and sends the
     // others' partial sums to node n ^ d; after log2 N steps it holds its own block's full sum.
-    const std::size_t acc_base = base + 2 * cb;
+    const std::size_t acc_base = S(0);
     const int64_t ce = std::max<int64_t>(
         1, std::min<int64_t>(static_cast<int64_t>(cb / 4),
                              static_cast<int64_t>(net.ring_depth * cb / 4) / N));
@@ -308,39 +309,57 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
     }
     return program;
   }
-  for (std::size_t ii = 0; ii < params.size(); ++ii) {
-    const int i = static_cast<int>(ii);
-    const ParamLayout& p = params[ii];
-    for (int64_t e0 = 0; e0 < p.shard_numel; e0 += chunk_elems) {
-      auto count_for = [&](int b) {
-        return std::clamp<int64_t>(p.valid_numel(b * L + l) - e0, 0, chunk_elems);
-      };
-      for (int step = 0; step < N; ++step) {
-        const int b = ((n - step - 1) % N + N) % N;
-        const int64_t cnt = count_for(b);
-        if (cnt == 0) continue;
+  // The ring takes chunks two at a time, each with its own receive buffer, interleaved step by
+  // step: chunk B's transfer is in flight while chunk A is reduced and the other way round (the
+  // compute stream waits only for the group whose bytes it reads). As in a one-chunk ring, a send
+  // and the receive of the same chunk's next step are one run of network ops: the next node's
+  // matching group has the same shape, which NCCL's group semantics need (group_schedule.hpp).
+  struct Chunk {
+    int i;
+    int64_t e0;
+  };
+  std::vector<Chunk> chunks;
+  for (std::size_t ii = 0; ii < params.size(); ++ii)
+    for (int64_t e0 = 0; e0 < params[ii].shard_numel; e0 += chunk_elems)
+      chunks.push_back({static_cast<int>(ii), e0});
+  auto block_at = [&](int step) { return ((n - step - 1) % N + N) % N; };
+  auto count_for = [&](const Chunk& c, int step) {
+    return std::clamp<int64_t>(params[c.i].valid_numel(block_at(step) * L + l) - c.e0, 0, chunk_elems);
+  };
+  const std::size_t receive_buffer[2] = {R, R1};
+  for (std::size_t c0 = 0; c0 < chunks.size(); c0 += 2) {
+    const std::size_t pair = std::min<std::size_t>(2, chunks.size() - c0);
+    for (int step = 0; step < N; ++step) {
+      for (std::size_t k = 0; k < pair; ++k) {
+        const Chunk& c = chunks[c0 + k];
+        const ParamLayout& p = params[c.i];
+        const int b = block_at(step);
+        const int64_t cnt = count_for(c, step);
         const std::size_t bytes = static_cast<std::size_t>(cnt) * 4;
-        if (step == 0) {
+        if (cnt > 0 && step == 0) {  // own partial of block b, straight to the next node
           const std::size_t s = S(sent++ % net.ring_depth);
-          local_reduce(i, b, e0, cnt, s);
+          local_reduce(c.i, b, c.e0, cnt, s);
           program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
-          continue;
+        } else if (cnt > 0) {  // + the partial received from the previous node
+          local_reduce(c.i, b, c.e0, cnt, T);
+          const Address in = win(rank, receive_buffer[k]);
+          if (step < N - 1) {
+            const std::size_t s = S(sent++ % net.ring_depth);
+            program.steps.push_back({Phase::kReduce, ReduceOp{c.i, {in, win(rank, T)}, win(rank, s), cnt,
+                                                              DType::kFP32, DType::kFP32, 1.0f, 1.0f, false}});
+            program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
+          } else {
+            program.steps.push_back(
+                {Phase::kReduce,
+                 ReduceOp{c.i, {in, win(rank, T)},
+                          {Space::kOutput, c.i, static_cast<std::size_t>(c.e0) * dtype_size(p.shard_dtype)},
+                          cnt, DType::kFP32, p.shard_dtype, 1.0f, scale, options.accumulate}});
+          }
         }
-        program.steps.push_back({Phase::kPush, NetRecvOp{prev, win(rank, R), bytes, ch}});
-        local_reduce(i, b, e0, cnt, T);
-        if (step < N - 1) {
-          const std::size_t s = S(sent++ % net.ring_depth);
-          program.steps.push_back({Phase::kReduce,
-                                   ReduceOp{i, {win(rank, R), win(rank, T)}, win(rank, s), cnt,
-                                            DType::kFP32, DType::kFP32, 1.0f, 1.0f, false}});
-          program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
-        } else {
-          program.steps.push_back(
-              {Phase::kReduce,
-               ReduceOp{i, {win(rank, R), win(rank, T)},
-                        {Space::kOutput, i, static_cast<std::size_t>(e0) * dtype_size(p.shard_dtype)},
-                        cnt, DType::kFP32, p.shard_dtype, 1.0f, scale, options.accumulate}});
-        }
+        const int64_t next_cnt = step + 1 < N ? count_for(c, step + 1) : 0;
+        if (next_cnt > 0)
+          program.steps.push_back({Phase::kPush, NetRecvOp{prev, win(rank, receive_buffer[k]),
+                                                           static_cast<std::size_t>(next_cnt) * 4, ch}});
       }
     }
   }

@@ -157,13 +157,14 @@ TEST(MultinodePlan, StagingIsConstantInW) {
     EXPECT_EQ(stock, w * shard_fp32);
     if (first == 0) first = tide;
     EXPECT_EQ(tide, first) << "W = " << w;
-    EXPECT_LT(tide * 4, stock) << "W = " << w;
+    EXPECT_LT(tide * 3, stock) << "W = " << w;  // 3.4x smaller at W = 16, 13.7x at 64
     // The programs use exactly this staging beyond the bucket's window.
     EXPECT_EQ(plan_reduce_scatter(layout, 0, {}, 0, net).window_bytes,
               (layout.window_bytes() + 255) / 256 * 256 + tide);
   }
-  // 2 + ring_depth chunks of min(chunk_bytes, largest fp32 shard = 128 x 1024 x 4 B = 512 KiB).
-  EXPECT_EQ(first, (2 + 4) * (std::size_t{512} << 10));
+  // 3 + ring_depth chunks (two receive buffers, the local partial, the send ring) of
+  // min(chunk_bytes, largest fp32 shard = 128 x 1024 x 4 B = 512 KiB).
+  EXPECT_EQ(first, (3 + 4) * (std::size_t{512} << 10));
 }
 
 TEST(MultinodePlan, RejectsBadNetOptions) {
