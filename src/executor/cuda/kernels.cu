@@ -3,7 +3,9 @@
 #include "kernels.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "convert.cuh"
@@ -295,7 +297,9 @@ int launch_reduce_table(const std::vector<ReduceTask>& tasks,
     tiles += tiles_of(task.count);
   }
   table.num_tiles = tiles;
-  const int grid = grid_for(tiles, max_ctas);
+  // A one-source reduce (a node's own partial across nodes with one rank per node) is a cast:
+  // the casts' grid (see launch_cast_table).
+  const int grid = grid_for(tiles, max_ctas, num_sources == 1 ? 2 : 1);
   reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
   check_launch("reduce_kernel<<<>>>");
   return grid;
@@ -314,10 +318,24 @@ void preload_kernels() {
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kFP32>));
 }
 
-int default_max_ctas() {
+int ctas_per_sm() {
   // CTAs of 256 threads at 2 per SM: 512 resident threads per SM keep enough 16-byte loads in
   // flight for 93% of the HBM copy ceiling on an H200 (4 per SM: 94%, at twice the SM time), and
   // leave most of each SM to concurrent compute (BENCHMARKS.md, reduce kernel by grid).
+  // TIDE_CUDA_CTAS_PER_SM overrides it (casts take twice as many).
+  static const int value = [] {
+    const char* text = std::getenv("TIDE_CUDA_CTAS_PER_SM");
+    if (!text || !*text) return 2;
+    char* end = nullptr;
+    const long v = std::strtol(text, &end, 10);
+    TIDE_CHECK_ARG(*end == '\0' && v >= 1 && v <= 8, "CUDA executor", "TIDE_CUDA_CTAS_PER_SM",
+                   std::string("'") + text + "'", "an integer in [1, 8]");
+    return static_cast<int>(v);
+  }();
+  return value;
+}
+
+int default_max_ctas() {
   static std::mutex mutex;
   static std::vector<int> per_device;
   int device = 0;
@@ -327,7 +345,7 @@ int default_max_ctas() {
   if (per_device[device] == 0) {
     int sms = 0;
     TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    per_device[device] = 2 * sms;
+    per_device[device] = ctas_per_sm() * sms;
   }
   return per_device[device];
 }
