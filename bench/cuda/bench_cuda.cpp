@@ -650,7 +650,7 @@ void ceiling_child(const Args& args) {
   DeviceMemory out(n * 4);
   cuda_kernels::launch_fill_random(out.ptr, cuda_kernels::kFP32, n, 7, stream);
   auto reduce = [&](int max_ctas, bool accumulate) {
-    cuda_kernels::ReduceSpec spec{source_ptrs.data(), out.ptr, n, 1.0f, 1.0f / world, accumulate,
+    cuda_kernels::ReduceSpec spec{source_ptrs.data(), out.ptr, nullptr, n, 1.0f, 1.0f / world, accumulate,
                                   cuda_kernels::kBF16, cuda_kernels::kFP32};
     return cuda_kernels::launch_reduces(&spec, 1, world, max_ctas, stream);
   };
@@ -801,7 +801,7 @@ struct StandIn {
       cuda_kernels::launch_fill_random(sources.back().ptr, cuda_kernels::kBF16, kElems, 80 + r, stream);
       pointers.push_back(sources.back().ptr);
     }
-    spec = {pointers.data(), out.ptr, kElems, 1.0f, 1.0f / kSources, false, cuda_kernels::kBF16,
+    spec = {pointers.data(), out.ptr, nullptr, kElems, 1.0f, 1.0f / kSources, false, cuda_kernels::kBF16,
             cuda_kernels::kFP32};
   }
   void launch(cudaStream_t stream) { cuda_kernels::launch_reduces(&spec, 1, kSources, 16, stream); }

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -79,12 +80,12 @@ struct WaitOp {
   FlagKind kind;
 };
 
-// dst[k] (+)= scale * sum_{p = 0..W-1, in this order} (prescale * float(sources[p][k])), k < count.
-// Accumulation is fp32, one rounding per operation, no fused multiply-add: bitwise reproducible
-// and identical on every executor.
+// dst[k] (+)= scale * (partial[k] + sum_{p = 0..W-1, in this order} (prescale * float(sources[p][k]))),
+// k < count; without a partial the sum starts at 0. Accumulation is fp32, one rounding per
+// operation, no fused multiply-add: bitwise reproducible and identical on every executor.
 struct ReduceOp {
   int param;
-  std::vector<Address> sources;  // one per rank, rank order
+  std::vector<Address> sources;  // one per rank, rank order (multi-node: the node's local ranks)
   Address dst;
   int64_t count;
   DType src_dtype;
@@ -92,6 +93,9 @@ struct ReduceOp {
   float prescale;
   float scale;
   bool accumulate;
+  // Multi-node plans: an fp32 partial sum (received from another node) in the own window that the
+  // sources are added to, so a ring step reads the gradients once (no separate local partial).
+  std::optional<Address> partial = std::nullopt;
 };
 
 // --- Network ops (between nodes; W = nodes x local, see Topology) ---
@@ -147,8 +151,7 @@ struct Program {
 // chunk_bytes (one send/recv pair each), and a rank has at most max_chunks_in_flight sends to one
 // peer outstanding before it receives from it: bytes in flight per step and per peer are bounded by
 // chunk_bytes x max_chunks_in_flight. The reduce-scatter's staging ring has ring_depth send buffers
-// of one chunk (plus two receive buffers, so that one chunk's transfer overlaps another's reduce,
-// and one local-partial buffer).
+// of one chunk (plus two receive buffers, so that one chunk's transfer overlaps another's reduce).
 struct NetOptions {
   std::size_t chunk_bytes = std::size_t{1} << 20;  // multiple of 16, >= 16
   int max_chunks_in_flight = 4;                    // in [1, kNetQueueDepth]

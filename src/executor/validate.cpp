@@ -175,6 +175,12 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
           return false;
       if (!check(i, "", -1, "dst", reduce->dst, reduce->count * dtype_size(reduce->dst_dtype), true))
         return false;
+      if (reduce->partial) {
+        CHECK(has_net && reduce->partial->space == Space::kWindow && reduce->partial->index == rank,
+              detail::concat("steps[", i, "].partial"), "set",
+              "unset (single node) or in the own window (multi-node)");
+        if (!check(i, "", -1, "partial", *reduce->partial, reduce->count * 4, false)) return false;
+      }
     }
   }
   return true;

@@ -93,7 +93,7 @@ std::size_t rs_staging_bytes(const BucketLayout& layout, const NetOptions& net) 
   // Recursive halving keeps one fp32 slice (>= 1 element) per node in the ring's place.
   const int N = layout.topology().nodes;
   const bool halving = net.rs_recursive_halving && (N & (N - 1)) == 0;
-  return 3 * chunk + (halving ? std::max(ring, round_up(std::size_t(N) * 4, kStagingAlign)) : ring);
+  return 2 * chunk + (halving ? std::max(ring, round_up(std::size_t(N) * 4, kStagingAlign)) : ring);
 }
 
 std::size_t stock_rs_buffer_bytes(const BucketLayout& layout) {
@@ -203,9 +203,9 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   program.window_bytes = base + rs_staging_bytes(layout, net);
   const int64_t chunk_elems = rs_chunk_elems(layout, net);
   const std::size_t cb = round_up(chunk_elems * 4, kStagingAlign);
-  // Staging: two receive buffers (R, R1), the local partial T, then the send ring S(j).
-  const std::size_t R = base, T = base + cb, R1 = base + 2 * cb;
-  auto S = [&](int j) { return base + (3 + j) * cb; };
+  // Staging: two receive buffers (R, R1), then the send ring S(j).
+  const std::size_t R = base, R1 = base + cb;
+  auto S = [&](int j) { return base + (2 + j) * cb; };
 
   // Phase 1: chunks destined to rail q go to local rank q's slot(i, m * L + l), m = every node.
   const std::vector<int> locals = local_peers(t, rank);
@@ -234,19 +234,27 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   const float scale = options.kind == ReduceKind::kAvg
                           ? options.postscale / static_cast<float>(layout.world())
                           : options.postscale;
-  auto local_reduce = [&](int i, int b, int64_t e0, int64_t cnt, std::size_t dst) {
+  // The node's chunks [e0, e0 + cnt) of block b (the own gradient and the local ranks' slots), in
+  // local rank order, added onto `partial` (fp32, received from another node) when there is one,
+  // into an fp32 staging buffer or, for the final sum, into the output.
+  auto local_reduce = [&](int i, int b, int64_t e0, int64_t cnt, std::optional<std::size_t> partial,
+                          bool final_sum, std::size_t dst = 0) {
     const ParamLayout& p = params[i];
-    ReduceOp op{i, {}, win(rank, dst), cnt, p.dtype, DType::kFP32, options.prescale, 1.0f, false};
+    const Address out = final_sum ? Address{Space::kOutput, i, static_cast<std::size_t>(e0) * dtype_size(p.shard_dtype)}
+                                  : win(rank, dst);
+    ReduceOp op{i, {}, out, cnt, p.dtype, final_sum ? p.shard_dtype : DType::kFP32, options.prescale,
+                final_sum ? scale : 1.0f, final_sum && options.accumulate};
     for (int q = 0; q < L; ++q)
       op.sources.push_back(q == l ? Address{Space::kInput, i, (b * L + l) * p.slot_bytes() + e0 * p.elem_size}
                                   : win(rank, p.slot_offset(b * L + q) + e0 * p.elem_size));
+    if (partial) op.partial = win(rank, *partial);
     program.steps.push_back({Phase::kReduce, std::move(op)});
   };
   int sent = 0;
   const int ch = 1;
   if (net.rs_recursive_halving && (N & (N - 1)) == 0) {
     // Recursive halving per slice: a slice holds elements [e0, e0 + ce) of every block, one staging
-    // slot per block (ce shrinks as 1/N so the staging stays (3 + ring_depth) chunks). At step k
+    // slot per block (ce shrinks as 1/N so the staging stays (2 + ring_depth) chunks). At step k
     // (distance d = N >> (k + 1)) node n keeps the blocks whose bit d matches its own and sends the
     // others' partial sums to node n ^ d; after log2 N steps it holds its own block's full sum.
     const std::size_t acc_base = S(0);
@@ -271,7 +279,7 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
           for (int b : current)
             if (count_for(b) > 0) ((b & d) == (n & d) ? keep : send).push_back(b);
           auto do_send = [&](int b) {
-            if (step == 0) local_reduce(i, b, e0, count_for(b), acc(b));
+            if (step == 0) local_reduce(i, b, e0, count_for(b), std::nullopt, false, acc(b));
             program.steps.push_back({Phase::kPush, NetSendOp{partner, win(rank, acc(b)),
                                                              static_cast<std::size_t>(count_for(b)) * 4, ch}});
           };
@@ -279,18 +287,15 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
             const int64_t cnt = count_for(b);
             program.steps.push_back({Phase::kPush, NetRecvOp{partner, win(rank, R),
                                                              static_cast<std::size_t>(cnt) * 4, ch}});
-            std::vector<Address> sources;
-            if (step == 0) {
-              local_reduce(i, b, e0, cnt, T);
-              sources = {win(rank, R), win(rank, T)};
-            } else {
-              sources = {win(rank, acc(b)), win(rank, R)};
+            if (step == 0) {  // the local chunks onto the received partial, in one pass
+              local_reduce(i, b, e0, cnt, R, last, acc(b));
+              return;
             }
             const Address dst = last ? Address{Space::kOutput, i,
                                                static_cast<std::size_t>(e0) * dtype_size(p.shard_dtype)}
                                      : win(rank, acc(b));
             program.steps.push_back(
-                {Phase::kReduce, ReduceOp{i, sources, dst, cnt, DType::kFP32,
+                {Phase::kReduce, ReduceOp{i, {win(rank, acc(b)), win(rank, R)}, dst, cnt, DType::kFP32,
                                           last ? p.shard_dtype : DType::kFP32, 1.0f,
                                           last ? scale : 1.0f, last && options.accumulate}});
           };
@@ -332,29 +337,19 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
     for (int step = 0; step < N; ++step) {
       for (std::size_t k = 0; k < pair; ++k) {
         const Chunk& c = chunks[c0 + k];
-        const ParamLayout& p = params[c.i];
         const int b = block_at(step);
         const int64_t cnt = count_for(c, step);
         const std::size_t bytes = static_cast<std::size_t>(cnt) * 4;
         if (cnt > 0 && step == 0) {  // own partial of block b, straight to the next node
           const std::size_t s = S(sent++ % net.ring_depth);
-          local_reduce(c.i, b, c.e0, cnt, s);
+          local_reduce(c.i, b, c.e0, cnt, std::nullopt, false, s);
           program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
-        } else if (cnt > 0) {  // + the partial received from the previous node
-          local_reduce(c.i, b, c.e0, cnt, T);
-          const Address in = win(rank, receive_buffer[k]);
-          if (step < N - 1) {
-            const std::size_t s = S(sent++ % net.ring_depth);
-            program.steps.push_back({Phase::kReduce, ReduceOp{c.i, {in, win(rank, T)}, win(rank, s), cnt,
-                                                              DType::kFP32, DType::kFP32, 1.0f, 1.0f, false}});
-            program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
-          } else {
-            program.steps.push_back(
-                {Phase::kReduce,
-                 ReduceOp{c.i, {in, win(rank, T)},
-                          {Space::kOutput, c.i, static_cast<std::size_t>(c.e0) * dtype_size(p.shard_dtype)},
-                          cnt, DType::kFP32, p.shard_dtype, 1.0f, scale, options.accumulate}});
-          }
+        } else if (cnt > 0 && step < N - 1) {  // onto the partial received from the previous node
+          const std::size_t s = S(sent++ % net.ring_depth);
+          local_reduce(c.i, b, c.e0, cnt, receive_buffer[k], false, s);
+          program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
+        } else if (cnt > 0) {  // the last step: the full sum of the own block, into the output
+          local_reduce(c.i, b, c.e0, cnt, receive_buffer[k], true);
         }
         const int64_t next_cnt = step + 1 < N ? count_for(c, step + 1) : 0;
         if (next_cnt > 0)

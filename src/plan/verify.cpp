@@ -175,6 +175,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
               if (collective != Collective::kReduceScatter) fail(program, s, "an all-gather has no reduces");
               if (static_cast<int>(op.sources.size()) != world)
                 fail(program, s, "reduce needs one source per rank");
+              if (op.partial) fail(program, s, "a single-node reduce takes no partial");
               if (op.param < 0 || op.param >= num_params)
                 fail(program, s, detail::concat("reduce of bad param ", op.param));
               const ParamLayout& p = params[op.param];

@@ -191,6 +191,11 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
               bounds(op.dst, op.count * dtype_size(op.dst_dtype), "reduce destination");
               if (op.dst.space == Space::kInput || (op.dst.space == Space::kWindow && op.dst.index != r))
                 fail(program, s, "reduces write the own window or an output");
+              if (op.partial) {
+                bounds(*op.partial, op.count * 4, "reduce partial");
+                if (op.partial->space != Space::kWindow || op.partial->index != r)
+                  fail(program, s, "a reduce's partial is in the own window");
+              }
             }
           },
           step.op);
@@ -342,6 +347,14 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                 note_slot_write(r, op.dst.offset, op.bytes);
               } else {  // ReduceOp
                 Label acc;
+                bool started = false;
+                if (op.partial) {  // an fp32 partial sum of the same chunk
+                  acc = read(prog, s, op.partial->offset, op.count * 4);
+                  if (!acc.rs || acc.param != op.param || acc.elem_size != 4)
+                    fail(prog, s, detail::concat("reduce partial is not an fp32 partial sum of param ",
+                                                 op.param));
+                  started = true;
+                }
                 for (std::size_t k = 0; k < op.sources.size(); ++k) {
                   const Address& a = op.sources[k];
                   const std::size_t bytes = op.count * dtype_size(op.src_dtype);
@@ -352,8 +365,9 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                                                  "'s gradient data in ", dtype_name(op.src_dtype)));
                   if (a.space == Space::kInput && op.src_dtype != params[op.param].dtype)
                     fail(prog, s, "reduce reads a gradient in another dtype");
-                  if (k == 0) {
+                  if (!started) {
                     acc = l;
+                    started = true;
                   } else {
                     if (l.dest != acc.dest || l.elem != acc.elem)
                       fail(prog, s, detail::concat("reduce source ", k, " is another chunk (rank ",

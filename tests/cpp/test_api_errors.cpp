@@ -77,6 +77,35 @@ TEST(ApiErrors, ExecutorRejectsMismatchedProgramsAndBindings) {
                {"window base", "aligned to 256 B"});
 }
 
+TEST(ApiErrors, ReducePartialsOnlyInTheOwnWindowOfMultiNodePrograms) {
+  alignas(256) static char window[1 << 16];
+  float grad[64] = {}, out[64] = {};
+  const void* in = grad;
+  auto reduces = [](Program& p) {
+    std::vector<ReduceOp*> found;
+    for (Step& s : p.steps)
+      if (auto* r = std::get_if<ReduceOp>(&s.op)) found.push_back(r);
+    return found;
+  };
+  BucketLayout one({{"w", {8, 2}}}, Topology::single_node(2));
+  Program p = plan_reduce_scatter(one, 0, {});
+  reduces(p).at(0)->partial = Address{Space::kWindow, 0, 0};
+  expect_error([&] { validate_run(p, {{in}, {out}}, 0, 2, sizeof window, window, true); },
+               {"partial", "unset (single node)"});
+  BucketLayout two({{"w", {8, 2}}}, Topology{2, 1});
+  Program q = plan_reduce_scatter(two, 0, {}, 0);
+  ReduceOp* fused = nullptr;
+  for (ReduceOp* r : reduces(q))
+    if (r->partial) fused = r;
+  ASSERT_NE(fused, nullptr) << "the ring adds the local chunks onto the received partial";
+  fused->partial->offset = sizeof window - 4;
+  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 2, sizeof window, window, true); },
+               {"partial", "inside the window"});
+  fused->partial = Address{Space::kWindow, 1, 0};
+  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 2, sizeof window, window, true); },
+               {"partial", "in the own window"});
+}
+
 TEST(ApiErrors, WindowsAndBootstraps) {
   expect_error([&] { FileBootstrap("/nonexistent/dir", 0, 2, std::chrono::milliseconds(10)); },
                {"dir = '/nonexistent/dir'", "an existing directory"});

@@ -603,23 +603,29 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
         bool depends = false;
         for (const Span& w : writes) depends |= w.overlaps(written);
         for (const Span& r : reads) depends |= r.overlaps(written);
+        std::vector<Span> read_here;
         for (const Address& a : reduce.sources) {
           const std::byte* src = resolve(a);
-          for (const Span& w : writes) depends |= w.overlaps({src, src + in_bytes});
+          read_here.push_back({src, src + in_bytes});
         }
+        if (reduce.partial) {
+          const std::byte* partial = resolve(*reduce.partial);
+          read_here.push_back({partial, partial + static_cast<std::size_t>(reduce.count) * 4});
+        }
+        for (const Span& r : read_here)
+          for (const Span& w : writes) depends |= w.overlaps(r);
         if (!batch.empty() && depends) break;
-        for (const Address& a : reduce.sources) {
-          const std::byte* src = resolve(a);
-          sources.push_back(src);
-          reads.push_back({src, src + in_bytes});
-        }
+        for (const Address& a : reduce.sources) sources.push_back(resolve(a));
+        reads.insert(reads.end(), read_here.begin(), read_here.end());
         writes.push_back(written);
         batch.push_back(i);
       }
       std::vector<cuda_kernels::ReduceSpec> reduces;
       for (std::size_t k = 0; k < batch.size(); ++k) {
         const ReduceOp& reduce = std::get<ReduceOp>(steps[batch[k]].op);
-        reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), reduce.count,
+        const float* partial =
+            reduce.partial ? reinterpret_cast<const float*>(resolve(*reduce.partial)) : nullptr;
+        reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), partial, reduce.count,
                            reduce.prescale, reduce.scale, reduce.accumulate,
                            element_type(reduce.src_dtype), element_type(reduce.dst_dtype)});
       }

@@ -36,6 +36,7 @@ struct CastTable {
 
 struct ReduceTask {
   void* dst;
+  const float* partial;  // nullptr: the sum starts at 0
   int64_t count;
   int64_t tile_begin;
   float prescale;
@@ -116,16 +117,27 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_kernel(const __grid_co
 
 // ---- Reduce. ---------------------------------------------------------------------------------
 
-// One element: acc = 0; acc += prescale * src_p for p in order; r = acc * scale; r += old.
+// One element: acc = partial (or 0); acc += prescale * src_p for p in order; r = acc * scale;
+// r += old.
 template <ElementType Src, ElementType Dst>
 __device__ __forceinline__ void reduce_scalar(const ReduceTask& task, const void* const* sources,
                                               int num_sources, int64_t k) {
-  float acc = 0.0f;
+  float acc = task.partial ? task.partial[k] : 0.0f;
   for (int p = 0; p < num_sources; ++p)
     acc = __fadd_rn(acc, __fmul_rn(load_scalar<Src>(sources[p], k), task.prescale));
   float result = __fmul_rn(acc, task.scale);
   if (task.accumulate) result = __fadd_rn(load_scalar<Dst>(task.dst, k), result);
   store_scalar<Dst>(task.dst, k, result);
+}
+
+// The 8 sums starting at element e: the task's partial, or 0.
+__device__ __forceinline__ void start_sum(const ReduceTask& task, int64_t e, float (&acc)[8]) {
+  if (task.partial) {
+    load8<kFP32>(task.partial, e, acc);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+  }
 }
 
 // A full tile, vectorised: two passes; in each, every thread owns kVectors vectors of 8 elements
@@ -141,9 +153,7 @@ __device__ __forceinline__ void reduce_full_tile(const ReduceTask& task,
     const int64_t first = begin + pass * (kThreadsPerCta * 8 * kVectors) + threadIdx.x * 8;
     float acc[kVectors][8];
 #pragma unroll
-    for (int v = 0; v < kVectors; ++v)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[v][j] = 0.0f;
+    for (int v = 0; v < kVectors; ++v) start_sum(task, first + v * kThreadsPerCta * 8, acc[v]);
 #pragma unroll 2
     for (int p = 0; p < num_sources; ++p) {
       float x[kVectors][8];
@@ -180,7 +190,8 @@ __device__ void reduce_tile(const ReduceTask& task, const void* const* sources, 
   } else if (task.vectorized) {
     for (int64_t e = begin + threadIdx.x * 8; e < end; e += kThreadsPerCta * 8) {
       if (e + 8 <= end) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        float acc[8];
+        start_sum(task, e, acc);
         for (int p = 0; p < num_sources; ++p) {
           float x[8];
           load8<Src>(sources[p], e, x);
@@ -297,9 +308,7 @@ int launch_reduce_table(const std::vector<ReduceTask>& tasks,
     tiles += tiles_of(task.count);
   }
   table.num_tiles = tiles;
-  // A one-source reduce (a node's own partial across nodes with one rank per node) is a cast:
-  // the casts' grid (see launch_cast_table).
-  const int grid = grid_for(tiles, max_ctas, num_sources == 1 ? 2 : 1);
+  const int grid = grid_for(tiles, max_ctas);
   reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
   check_launch("reduce_kernel<<<>>>");
   return grid;
@@ -382,12 +391,12 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
   for (std::size_t i = 0; i < num_specs; ++i) {
     const ReduceSpec& s = specs[i];
     if (s.count == 0) continue;
-    bool vectorized = aligned16(s.dst);
+    bool vectorized = aligned16(s.dst) && (!s.partial || aligned16(s.partial));
     for (int p = 0; p < num_sources; ++p) {
       vectorized = vectorized && aligned16(s.sources[p]);
       sources.push_back(s.sources[p]);
     }
-    tasks.push_back({s.dst, s.count, 0, s.prescale, s.scale, 0, s.src_type, s.dst_type,
+    tasks.push_back({s.dst, s.partial, s.count, 0, s.prescale, s.scale, 0, s.src_type, s.dst_type,
                      static_cast<uint8_t>(s.accumulate), static_cast<uint8_t>(vectorized)});
   }
   LaunchInfo info;

@@ -33,6 +33,7 @@ struct CastSpec {
 struct ReduceSpec {
   const void* const* sources;  // num_sources pointers (host array; copied into the launch)
   void* dst;
+  const float* partial;        // fp32 the sum starts from, or nullptr (ReduceOp::partial)
   int64_t count;
   float prescale;
   float scale;
@@ -53,7 +54,7 @@ inline constexpr int64_t kTileElements = 8192;
 inline constexpr int kMaxSources = 3072;  // ranks a reduce can sum (one launch's parameter space)
 
 // The grid cap used when max_ctas <= 0: CTAs per SM (2, or TIDE_CUDA_CTAS_PER_SM) x SMs of the
-// current device (reduces; casts and one-source reduces use twice as many).
+// current device (reduces; casts use twice as many).
 int default_max_ctas();
 
 // Loads every kernel of this file into the current context now. With CUDA's lazy module loading
