@@ -27,8 +27,12 @@ device address range (CudaAddressRange) the current slot is mapped into; the all
 FSDP2's all-gather stream and the reduce-scatter on its reduce-scatter stream, ordered by events.
 All ranks of a group must be processes on one host.
 
+Across nodes (``enable(..., ranks_per_node=N)``): groups spanning several nodes run TIDE's
+across-node programs; on CPU over the host executor's host transport (virtual nodes on one
+machine, as CI tests them). Windows then hold the reduce-scatter's staging too.
+
 Not handled (such buckets fall back to stock FSDP2, with one log line saying why): ranks on several
-hosts (CUDA), world size 1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
+hosts or nodes (CUDA), world size 1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
 tensor-subclass extensions (``fsdp_pre_all_gather``), DTensor parameters (TP/EP), non-dim-0
 placements, dtypes other than fp32/bf16/fp16. A reduce-scatter with an fp16 reduce dtype
 (pre-divide) runs stock for that call. Gradients larger than a pool window (accumulated in an fp32
@@ -210,13 +214,18 @@ class _WindowPool:
 class _Bucket:
     """One FSDP2 param group handled by TIDE: its layout, plans, fixed address and current slot."""
 
-    def __init__(self, bucket_id: int, param_group, group, fsdp_params, layout):
+    def __init__(self, bucket_id: int, param_group, group, fsdp_params, layout, net):
         self.id, self.param_group, self.group = bucket_id, param_group, group
         self.fsdp_params = list(fsdp_params)
         self.index = {id(p): i for i, p in enumerate(self.fsdp_params)}
-        self.layout = layout
+        self.layout, self.net = layout, net
         self.rank = group.rank()
-        self.ag_program = _tide.plan_all_gather(layout, self.rank, bucket_id)
+        self.ag_program = _tide.plan_all_gather(layout, self.rank, bucket_id, net)
+        # Across nodes the reduce-scatter stages fp32 partials after the bucket's window: a slot
+        # holds the largest of the two programs' windows (a subset's is never larger).
+        self.window_bytes = max(self.ag_program.window_bytes,
+                                _tide.plan_reduce_scatter(layout, self.rank, _tide.ReduceOptions(),
+                                                          bucket_id, net).window_bytes)
         self.rs_programs: dict = {}
         self.pool: _WindowPool | None = None
         self.range = None
@@ -323,7 +332,7 @@ class _Bucket:
             layout = _tide.BucketLayout(specs, self.layout.topology)
             kind, prescale = options_key
             options = _tide.ReduceOptions(kind=kind, prescale=prescale)
-            program = (layout, _tide.plan_reduce_scatter(layout, self.rank, options, self.id))
+            program = (layout, _tide.plan_reduce_scatter(layout, self.rank, options, self.id, self.net))
             self.rs_programs[key] = program
         return program
 
@@ -542,12 +551,31 @@ def _one_host(group) -> bool:
     return _one_host_cache[ranks]
 
 
-def _bucket_fallback_reason(param_group, group) -> str:
+def _group_topology(group, ranks_per_node):
+    """(topology, "") of a process group, or (None, why not). Without ranks_per_node the group is
+    one node; with it, global rank g is on node g // ranks_per_node, and the group must hold as
+    many ranks of every node it spans, node after node (TIDE's rank = node * local + local rank)."""
+    ranks = dist.get_process_group_ranks(group)
+    if ranks_per_node is None:
+        return _tide.Topology.single_node(len(ranks)), ""
+    nodes = [g // ranks_per_node for g in ranks]
+    distinct = list(dict.fromkeys(nodes))
+    local = len(ranks) // len(distinct)
+    if nodes != [n for n in distinct for _ in range(local)]:
+        return None, (f"ranks {ranks} are not node-major with as many on every node "
+                      f"(ranks_per_node={ranks_per_node})")
+    return _tide.Topology(len(distinct), local), ""
+
+
+def _bucket_fallback_reason(param_group, group, topology) -> str:
     if group is None or group.size() <= 1:
         return "world size 1 (nothing to communicate)"
     if param_group.device.type == "cuda":
         if not _tide.cuda_built:
             return "device cuda: this build of TIDE has no CUDA transport (built without nvcc)"
+        if topology.nodes > 1:
+            return ("across nodes on CUDA devices: not built in tide.fsdp yet (the C++ NCCL "
+                    "transport and tide.distributed.nccl_comm are)")
         if not _one_host(group):
             return "ranks on several hosts: tide.fsdp across nodes is not built yet (C++ only)"
     elif param_group.device.type != "cpu":
@@ -582,23 +610,36 @@ def _size_classes(buckets: list) -> list:
     layer's slot for the root. A class holds sizes within SIZE_CLASS_RATIO of its smallest.
     Deterministic in the layouts, hence the same on every rank."""
     classes: list = []
-    for b in sorted(buckets, key=lambda b: (b.layout.window_bytes, b.id)):
-        if classes and b.layout.window_bytes <= SIZE_CLASS_RATIO * classes[-1][0].layout.window_bytes:
+    for b in sorted(buckets, key=lambda b: (b.window_bytes, b.id)):
+        if classes and b.window_bytes <= SIZE_CLASS_RATIO * classes[-1][0].window_bytes:
             classes[-1].append(b)
         else:
             classes.append([b])
     return classes
 
 
-def enable(module: torch.nn.Module, *, timeout_ms: int | None = None) -> TideFSDP:
+def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_node: int | None = None,
+           net=None) -> TideFSDP:
     """Turns TIDE on for every FSDP2 param group under `module` (call after ``fully_shard``, with the
-    model sharded: before the first step or between steps). Returns what was handled."""
+    model sharded: before the first step or between steps). Returns what was handled.
+
+    ranks_per_node: declares nodes of that many consecutive global ranks; groups that span several
+    run TIDE's across-node programs (recursive-doubling all-gather, two-phase reduce-scatter)
+    between them, with `net` (a tide.NetOptions) pacing the network steps. On CPU the host
+    executor carries those steps over its host transport, so one machine can be several virtual
+    nodes; on CUDA devices such groups fall back (not built in tide.fsdp yet). Default: every
+    group is one node."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"tide.fsdp.enable: module is {type(module).__name__}, expected an nn.Module")
     if id(module) in _enabled:
         raise ValueError("tide.fsdp.enable: TIDE is already enabled on this module")
     if timeout_ms is not None and (not isinstance(timeout_ms, int) or timeout_ms <= 0):
         raise ValueError(f"tide.fsdp.enable: timeout_ms = {timeout_ms!r}, expected a positive int")
+    if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node <= 0):
+        raise ValueError(f"tide.fsdp.enable: ranks_per_node = {ranks_per_node!r}, expected a positive int")
+    if net is not None and not isinstance(net, _tide.NetOptions):
+        raise TypeError(f"tide.fsdp.enable: net is {type(net).__name__}, expected tide.NetOptions")
+    net = net if net is not None else _tide.NetOptions()
     groups = _param_groups(module)
     if not groups:
         raise ValueError("tide.fsdp.enable: no FSDP2 param groups under this module; call "
@@ -615,17 +656,17 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None) -> TideFSD
                 raise ValueError(f"tide.fsdp.enable: param group {fqn} is {fp.sharded_state}; "
                                  "enable TIDE while the model is sharded (outside forward/backward)")
         group = getattr(pg, "_all_gather_process_group", None) if hasattr(pg, "mesh_info") else None
-        reason = _bucket_fallback_reason(pg, group)
+        topology, reason = (None, "") if group is None else _group_topology(group, ranks_per_node)
+        reason = reason or _bucket_fallback_reason(pg, group, topology)
         if reason:
             result.fallbacks.append((fqn, reason))
             log.warning("tide.fsdp: param group %s falls back to stock FSDP2: %s", fqn, reason)
             continue
-        world = group.size()
         specs = [_tide.ParamSpec(_param_name(fp, i), list(fp._orig_size),
                                  _TORCH_TO_TIDE[_dtypes(fp, pg)[1]], _TORCH_TO_TIDE[_dtypes(fp, pg)[0]])
                  for i, fp in enumerate(pg.fsdp_params)]
-        layout = _tide.BucketLayout(specs, _tide.Topology.single_node(world))
-        bucket = _Bucket(next(_bucket_ids), pg, group, pg.fsdp_params, layout)
+        layout = _tide.BucketLayout(specs, topology)
+        bucket = _Bucket(next(_bucket_ids), pg, group, pg.fsdp_params, layout, net)
         # FSDP2 may give each param group its own process-group object over the same ranks; TIDE
         # talks through windows, not the group, so those buckets share pools.
         key = (tuple(dist.get_process_group_ranks(group)), str(pg.device))
@@ -634,7 +675,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None) -> TideFSD
     for (ranks, _), buckets in by_ranks.items():
         for members in _size_classes(buckets):
             name = f"tide/pool/{'-'.join(map(str, ranks))}/{members[0].id}"
-            pool = _WindowPool(members[0].group, max(b.layout.window_bytes for b in members), timeout_ms,
+            pool = _WindowPool(members[0].group, max(b.window_bytes for b in members), timeout_ms,
                                name, members[0].param_group.device)
             result.pools.append(pool)
             for b in members:

@@ -101,6 +101,9 @@ TEST(ApiErrors, ReducePartialsOnlyInTheOwnWindowOfMultiNodePrograms) {
   fused->partial->offset = sizeof window - 4;
   expect_error([&] { validate_run(q, {{in}, {out}}, 0, 2, sizeof window, window, true); },
                {"partial", "inside the window"});
+  fused->partial->offset = 2;
+  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 2, sizeof window, window, true); },
+               {"partial.offset = 2", "a multiple of 4"});
   fused->partial = Address{Space::kWindow, 1, 0};
   expect_error([&] { validate_run(q, {{in}, {out}}, 0, 2, sizeof window, window, true); },
                {"partial", "in the own window"});

@@ -49,7 +49,10 @@ void check_waits(const Program& p, const net::GroupSchedule& s) {
   for (std::size_t i = 0; i < p.steps.size(); ++i) {
     waited = std::max(waited, s.wait_before[i]);
     std::vector<Address> reads;
-    if (const auto* r = std::get_if<ReduceOp>(&p.steps[i].op)) reads = r->sources;
+    if (const auto* r = std::get_if<ReduceOp>(&p.steps[i].op)) {
+      reads = r->sources;
+      if (r->partial) reads.push_back(*r->partial);  // the received fp32 partial of a ring step
+    }
     if (const auto* b = std::get_if<CopyBatch>(&p.steps[i].op))
       for (const CopyOp& c : b->copies) reads.push_back(c.src);
     for (const Address& a : reads) {
@@ -98,8 +101,9 @@ TEST(NetGroups, MultinodePlansScheduleAndNeverDeadlock) {
 }
 
 TEST(NetGroups, RingOverlapsTheNextLocalReduceWithTheTransfer) {
-  // The local reduce of the next ring step (into T) does not read the received chunk, so it runs
-  // after the group carrying that chunk is issued and before the compute stream waits for it.
+  // The ring takes chunks two at a time: the reduce of one chunk does not read the other's
+  // receive buffer, so it runs after the group carrying the other chunk is issued and before the
+  // compute stream waits for it.
   BucketLayout layout({{"w", {64, 64}}}, Topology{2, 2});
   const Program p = plan_reduce_scatter(layout, 0, ReduceOptions{}, 1, NetOptions{1024, 2, 2});
   const net::GroupSchedule s = net::schedule_groups(p);

@@ -106,6 +106,12 @@ SCENARIOS = {
     "hsdp_2x2": ((4,), {"hsdp": True}),
     # A process-group object per layer over the same ranks (as FSDP2 can make): pools still shared.
     "group_per_layer": ((2, 3), {"group_per_layer": True}),
+    # Virtual nodes (CPU): across-node programs between nodes of ranks_per_node ranks.
+    "virtual_nodes": ((3, 4), {"ranks_per_node": 1, "net": 256}),
+    "virtual_nodes_2x2": ((4,), {"ranks_per_node": 2, "net": 512}),
+    "virtual_nodes_bf16": ((4,), {"ranks_per_node": 2, "net": 512, "mp": (torch.bfloat16, torch.float32)}),
+    # Nodes of 3 ranks at W = 4: 3 + 1 ranks, not a nodes x local grid: every group falls back.
+    "uneven_nodes": ((4,), {"ranks_per_node": 3, "net": 512}),
 }
 
 COUNTED_OPS = ("split_with_sizes_copy", "chunk_cat", "all_gather_copy_in")
@@ -175,6 +181,7 @@ def train(model, opts, device, steps=3):
 
 
 def run_scenario(opts, world, device):
+    import tide
     import tide.fsdp
 
     stock_opts = {**opts, **opts.get("stock", {})}
@@ -182,7 +189,11 @@ def run_scenario(opts, world, device):
     runs = []
     for _ in range(2):
         model = build(opts, world, device)
-        handle = tide.fsdp.enable(model)
+        kwargs = {}
+        if "ranks_per_node" in opts:  # small network chunks: many network steps per bucket
+            kwargs = {"ranks_per_node": opts["ranks_per_node"],
+                      "net": tide.NetOptions(chunk_bytes=opts["net"], max_chunks_in_flight=2, ring_depth=2)}
+        handle = tide.fsdp.enable(model, **kwargs)
         params, ops = train(model, opts, device)
         runs.append((params, ops, handle))
         tide.fsdp.disable(model)
@@ -201,6 +212,7 @@ def run_scenario(opts, world, device):
         "pools": len(handle.pools),
         "wide_windows": sum(len(w.slots) for p in handle.pools for w in p.wide.values()),
         "param_groups": len(handle.buckets) + len(handle.fallbacks),
+        "nodes": sorted({b.layout.topology.nodes for b in handle.buckets}),
     }
 
 
@@ -235,7 +247,8 @@ def _free_port():
 def run_world(world: int, device_type: str = "cpu") -> dict:
     """Runs every scenario that applies to `world` on `device_type` ("cpu" or "cuda"); returns
     {scenario: [result per rank]}."""
-    names = [n for n, (worlds, _) in SCENARIOS.items() if world in worlds]
+    names = [n for n, (worlds, opts) in SCENARIOS.items()  # across nodes: CPU only (CUDA falls back)
+             if world in worlds and (device_type == "cpu" or "ranks_per_node" not in opts)]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world, _free_port(), names, out_dir, device_type), nprocs=world,
                            join=True, start_method="spawn")

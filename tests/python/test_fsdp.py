@@ -94,11 +94,37 @@ def test_windows_are_pooled_not_per_group(world_results):
         assert r["pooled_windows"] <= limit, f"W={world} {name}: {r['pooled_windows']} windows for {r['buckets']} groups"
 
 
+def test_virtual_nodes_run_across_node_programs(world_results):
+    world, _ = world_results
+    for name, opts, per_rank in _cases(world_results):
+        if "ranks_per_node" in opts and not per_rank[0]["fallbacks"]:
+            assert per_rank[0]["nodes"] == [world // opts["ranks_per_node"]], (name, per_rank[0]["nodes"])
+        else:
+            assert per_rank[0]["nodes"] in ([1], []), (name, per_rank[0]["nodes"])
+
+
 def test_fallbacks_are_reported(world_results):
     world, _ = world_results
     for name, opts, per_rank in _cases(world_results):
         r = per_rank[0]
         if isinstance(opts.get("reshard"), int) and not isinstance(opts.get("reshard"), bool):
             assert any("reshard_after_forward as an int" in f for f in r["fallbacks"]), r["fallbacks"]
+        elif opts.get("ranks_per_node") == 3:
+            assert r["buckets"] == 0 and r["fallbacks"] and all(
+                "not node-major with as many on every node" in f for f in r["fallbacks"]), r["fallbacks"]
         else:
             assert r["fallbacks"] == [], f"W={world} {name}: unexpected fallbacks {r['fallbacks']}"
+
+
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    ({"module": "model"}, TypeError, "module is str, expected an nn.Module"),
+    ({"timeout_ms": 0}, ValueError, "timeout_ms = 0, expected a positive int"),
+    ({"ranks_per_node": 0}, ValueError, "ranks_per_node = 0, expected a positive int"),
+    ({"net": 64}, TypeError, "net is int, expected tide.NetOptions"),
+    ({}, ValueError, "no FSDP2 param groups under this module"),
+])
+def test_enable_rejects_bad_arguments(kwargs, error, fragment):
+    import tide.fsdp
+    module = kwargs.pop("module", torch.nn.Linear(2, 2))
+    with pytest.raises(error, match=fragment):
+        tide.fsdp.enable(module, **kwargs)

@@ -91,6 +91,8 @@ def _in_place_gloo_reduce_scatter():
     saved = cls.__call__
 
     def in_place(self, output_tensor, input_tensor, group, op, async_op=False):
+        if async_op:  # FSDP2 reduces synchronously on its stream; anything else stays gloo's
+            return saved(self, output_tensor, input_tensor, group, op, async_op)
         dist.all_reduce(input_tensor, op=op, group=group)
         output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()].view_as(output_tensor))
 

@@ -28,8 +28,9 @@ def fsdp_table(summary: dict) -> str:
         lines.append(f"{'peak memory + TIDE pool (MiB)':<34} {a:>14.1f} {b:>14.1f} {b / a:>11.3f}")
     if t.get("ranks_share_gpus"):
         lines.append("ranks share GPUs (more ranks than GPUs): single-GPU emulation, HBM-bound, not "
-                     "NVLink-bound; stock FSDP2's collectives run over gloo through host memory, so its "
-                     "step and collective times are not NCCL's: compare layout copies and memory")
+                     "NVLink-bound; stock FSDP2's collectives run over gloo through host memory (its "
+                     "reduce-scatter as an in-place all-reduce), so its step and collective times are "
+                     "not NCCL's: compare layout copies and memory")
     lines.append(f"TIDE handled {t['tide_buckets']} param groups"
                  + (f"; fell back for: {sorted(set(t['tide_fallbacks']))}" if t["tide_fallbacks"] else ""))
     lines.append(f"numerical agreement: max |TIDE - stock| over final parameters = {summary['max_abs_diff']:.3e}")

@@ -458,6 +458,8 @@ CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::millis
   TIDE_CHECK_ARG(device == window.device(), "CudaExecutor", "current device", device,
                  detail::concat(window.device(), " (the window's device)"));
   cuda_kernels::preload_kernels();
+  // Reads TIDE_CUDA_CTAS_PER_SM now: a bad value must not first throw mid-collective.
+  cuda_kernels::default_max_ctas();
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->side_stream, cudaStreamNonBlocking));
   impl_->staging.resize(static_cast<std::size_t>(kNumFlagKinds) * window.world());
   impl_->streams_used.push_back(impl_->stream);
