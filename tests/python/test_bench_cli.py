@@ -13,6 +13,7 @@ from tide.bench import cli
     (["fsdp", "--world", "1"], "--world 1: FSDP needs at least 2 ranks"),
     (["fsdp", "--warmup", "-1"], "--warmup -1: expected >= 0"),
     (["fsdp", "--layers", "0"], "--layers 0: expected a positive integer"),
+    (["fsdp", "--ranks-per-node", "0"], "--ranks-per-node 0: expected a positive integer"),
     (["fsdp", "--model", "huge"], "invalid choice: 'huge'"),
     (["collectives", "--min-bytes", "100", "--max-bytes", "10"], "--min-bytes 100 > --max-bytes 10"),
     (["interference", "--device", "cpu"], "interference needs a CUDA GPU"),
@@ -51,6 +52,19 @@ def test_fsdp_cpu_run_writes_complete_json_and_plots(tmp_path, capsys):
     for name in ("fsdp_step_time.png", "fsdp_memory.png"):
         png = (plots / name).read_bytes()
         assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_fsdp_cpu_run_across_virtual_nodes(tmp_path, capsys):
+    """--ranks-per-node 1 at W = 2: TIDE runs its across-node programs (2 nodes); every reduction is
+    still a sum of two, so the result is bitwise stock's."""
+    out = tmp_path / "fsdp.json"
+    assert cli.main(["fsdp", "--device", "cpu", "--model", "tiny", "--world", "2", "--ranks-per-node", "1",
+                     "--steps", "1", "--warmup", "0", "--seq", "16", "--json", str(out), "--no-progress"]) == 0
+    assert "nodes of 1 ranks" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["ranks_per_node"] == 1
+    assert data["tide"]["tide_buckets"] == 3 and data["tide"]["tide_fallbacks"] == []
+    assert data["tide"]["layout_copy_mib"] == 0 and data["max_abs_diff"] == 0.0
 
 
 def test_collectives_cpu_sweep_checks_every_row(tmp_path, capsys):

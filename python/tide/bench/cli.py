@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--seq", type=_positive("seq"), default=128)
     f.add_argument("--mp", choices=("fp32", "bf16"), default=None,
                    help="fp32 everywhere, or bf16 params + fp32 reduce (default: fp32 on CPU, bf16 on GPUs)")
+    f.add_argument("--ranks-per-node", type=_positive("ranks-per-node"), default=None,
+                   help="declare nodes of this many consecutive ranks: TIDE runs its across-node "
+                        "programs between them (CPU: virtual nodes over the host transport)")
+    f.add_argument("--chunk-mib", type=_positive("chunk-mib"), default=1,
+                   help="network chunk size across nodes, MiB (with --ranks-per-node)")
     f.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (step-time breakdown, memory) here")
     f.add_argument("--no-progress", action="store_true")
 
@@ -95,6 +100,7 @@ def _fsdp(args, parser, device) -> int:
         parser.error(f"--world {args.world}: FSDP needs at least 2 ranks to compare collectives")
     mp = args.mp or ("fp32" if device == "cpu" else "bf16")
     opts = {"device": device, "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
+            "ranks_per_node": args.ranks_per_node, "chunk_bytes": args.chunk_mib * MIB,
             "seq": args.seq, "progress": not args.no_progress}
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
           f"mp {mp}, {args.world} ranks", file=sys.stderr)
@@ -116,6 +122,7 @@ def _fsdp(args, parser, device) -> int:
 
     summary = {"model": model_name, "config": cfg.as_dict(), "world": len(stock), "device": device,
                "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
+               "ranks_per_node": args.ranks_per_node,
                "stock": merged(stock), "tide": merged(tide_runs),
                "max_abs_diff": compare(stock, tide_runs), "torch": torch.__version__}
     print(report.fsdp_table(summary))

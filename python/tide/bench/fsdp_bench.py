@@ -145,7 +145,11 @@ def _train(rank: int, mode: str, cfg: LlamaConfig, device: str, world: int, opts
     handle = None
     if mode == "tide":
         import tide.fsdp
-        handle = tide.fsdp.enable(model)
+        kwargs = {}
+        if opts.get("ranks_per_node"):
+            kwargs = {"ranks_per_node": opts["ranks_per_node"],
+                      "net": tide.NetOptions(chunk_bytes=opts["chunk_bytes"])}
+        handle = tide.fsdp.enable(model, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
     total = opts["warmup"] + opts["steps"]

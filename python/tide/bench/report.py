@@ -9,7 +9,9 @@ import statistics
 
 def fsdp_table(summary: dict) -> str:
     s, t = summary["stock"], summary["tide"]
-    lines = [f"# tide-bench fsdp: {summary['model']}, W = {summary['world']}, {summary['device']}, "
+    nodes = summary.get("ranks_per_node")
+    where = f" (TIDE: nodes of {nodes} ranks)" if nodes else ""
+    lines = [f"# tide-bench fsdp: {summary['model']}, W = {summary['world']}{where}, {summary['device']}, "
              f"mp {summary['mp']}, median of {summary['steps']} steps after {summary['warmup']} warm-up",
              f"{'':<34} {'stock FSDP2':>14} {'TIDE':>14} {'TIDE/stock':>11}"]
 
