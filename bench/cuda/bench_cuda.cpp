@@ -15,8 +15,10 @@
 //                                      (cuBLAS and NCCL loaded at run time; skipped without;
 //                                      --quick: only the multi-GPU part)
 // Options: --iters N (timed runs, >= 20; median reported), --warmup N, --quick (fewer sizes),
-// --nodes N (sweep/bucket: W ranks as N nodes, NCCL between them; needs one GPU per rank),
-// --chunk-mib N (multi-node chunk size, default 16).
+// --nodes N (sweep/bucket: W ranks as N nodes), --network nccl|ipc (between those nodes: NCCL,
+// one GPU per rank; or CUDA IPC, virtual nodes whose ranks may share GPUs: on one GPU the whole
+// pipeline, network included, is bound by that GPU's HBM), --chunk-mib N (multi-node chunk size,
+// default 16).
 //
 // Times: per rank, CUDA events around each of N back-to-back runs; the median per rank; the slowest
 // rank's median reported. algbw = bytes / time, busbw = algbw * (W-1)/W (nccl-tests). SM time =
@@ -74,7 +76,8 @@ struct Args {
   int iters = 25;
   int warmup = 3;
   bool quick = false;
-  int nodes = 1;  // > 1: every rank group of W/nodes its own (virtual) node, NCCL between nodes
+  int nodes = 1;  // > 1: every rank group of W/nodes its own (virtual) node
+  std::string network = "nccl";  // between nodes: nccl | ipc (CudaReach::kHost windows)
   std::size_t chunk_mib = 16;  // multi-node: NetOptions::chunk_bytes (each chunk one send/recv)
 };
 
@@ -313,8 +316,9 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
   const Topology topology{args.nodes, world / args.nodes};
   NetOptions net;  // ring
   net.chunk_bytes = args.chunk_mib << 20;
+  const bool ipc = args.network == "ipc";
   std::unique_ptr<NcclComm> network;
-  if (args.nodes > 1) network = NcclComm::create(bootstrap);
+  if (args.nodes > 1 && !ipc) network = NcclComm::create(bootstrap);
   cudaStream_t stream = nullptr;
   BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::size_t free_bytes = 0, total_bytes = 0;
@@ -341,7 +345,8 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     const Program program = collective == Collective::kAllGather
                                 ? plan_all_gather(layout, rank, 1, net)
                                 : plan_reduce_scatter(layout, rank, options, 2, net);
-    auto window = CudaWindow::create(bootstrap, program.window_bytes, topology);
+    auto window = CudaWindow::create(bootstrap, program.window_bytes, topology, CudaMemory::kMalloc,
+                                     ipc ? CudaReach::kHost : CudaReach::kNode);
     std::vector<DeviceMemory> inputs, outputs;
     Bindings bindings;
     for (std::size_t i = 0; i < layout.num_params(); ++i) {
@@ -425,7 +430,8 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
                       : 0.0;
       if (args.nodes > 1)
         r.label += " [" + std::to_string(topology.nodes) + "x" + std::to_string(topology.local) +
-                   " nodes, NCCL, " + std::to_string(args.chunk_mib) + " MiB chunks]";
+                   " nodes, " + (ipc ? "IPC" : "NCCL") + ", " + std::to_string(args.chunk_mib) +
+                   " MiB chunks]";
       r.note = wrong_total == 0 ? (args.nodes > 1 && collective == Collective::kReduceScatter
                                        ? "ok (within 1e-6)"
                                        : "ok (bitwise)")
@@ -1120,6 +1126,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--quick") args.quick = true;
     else if (a == "--nodes") args.nodes = std::stoi(value());
     else if (a == "--chunk-mib") args.chunk_mib = std::stoul(value());
+    else if (a == "--network") args.network = value();
     else throw std::runtime_error("unknown option " + a + " (see the comment atop bench_cuda.cpp)");
   }
   (void)results_path();  // created here, before any fork, so every child appends to the same file
@@ -1127,6 +1134,8 @@ int main_impl(int argc, char** argv) {
   if (args.nodes < 1 || args.world % args.nodes != 0)
     throw std::runtime_error("--nodes " + std::to_string(args.nodes) + ": expected a divisor of --world " +
                              std::to_string(args.world));
+  if (args.network != "nccl" && args.network != "ipc")
+    throw std::runtime_error("--network " + args.network + ": expected nccl or ipc");
   if (!cuda_device_available()) {
     std::printf("tide_bench_cuda: no usable CUDA device; nothing to measure\n");
     return 0;

@@ -1,7 +1,8 @@
 // The CUDA transport: the same per-rank programs as the host executor, run on GPUs.
 //
-//   CudaWindow    one cudaMalloc per rank (data, then the FlagWord array), mapped into every other
-//                 rank with CUDA IPC (or used directly when the peer is a thread of this process).
+//   CudaWindow    one cudaMalloc per rank (data, then the FlagWord array and the IPC network's
+//                 mailboxes), mapped into every other rank of its node (of the host, for virtual
+//                 nodes) with CUDA IPC (or used directly when the peer is a thread of this process).
 //   CudaExecutor  enqueues a program on a stream: copy batches on the copy engines, casts and
 //                 reduces as kernels, signals/waits as stream memory operations on the flags, every
 //                 wait watched by a host thread that turns a stuck wait into TimeoutError/DesyncError.
@@ -40,19 +41,30 @@ enum class CudaMemory : uint8_t {
             // address of the owner's (CudaAddressRange): what tide.fsdp needs on GPUs
 };
 
+// Which peers' windows a rank maps, and so how a CudaExecutor reaches the other nodes.
+enum class CudaReach : uint8_t {
+  kNode,  // the ranks of its own node; other nodes over NCCL (an NcclComm given to the executor)
+  kHost,  // every rank: the nodes are virtual nodes of one host (tests, one-GPU benchmarks), and
+          // an executor given no NcclComm runs the network ops over CUDA IPC: the receiver's
+          // kernel pulls the bytes out of the sender's window (a stand-in for NCCL's SM-driven
+          // transfers, mailboxes in the windows instead of a network)
+};
+
 // A window in device memory: [data (data_bytes, rounded up to 256 B, or to the allocation
-// granularity for kVmm)][FlagWord flags[2][W]] per rank in one allocation, on the device current
-// when create() is called. Flags start zeroed.
+// granularity for kVmm)][FlagWord flags[2][W]][NetOutbox mailboxes[kNetChannels][W]] per rank in
+// one allocation, on the device current when create() is called. Flags and mailboxes start zeroed.
 class CudaWindow {
  public:
   // Collective over `bootstrap`: every rank calls it with the same data_bytes (checked). Peers
   // are opened with cudaIpcOpenMemHandle (peers in this same process: their pointer as is).
   static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes);
-  // Across nodes (topology.world() == the bootstrap's world): only the ranks of this rank's node
-  // are mapped (data(r) of another node's rank throws); the network reaches the others.
+  // Across nodes (topology.world() == the bootstrap's world): with CudaReach::kNode only the
+  // ranks of this rank's node are mapped (data(r) of another node's rank throws) and NCCL reaches
+  // the others; with kHost every rank is mapped (all ranks must be on one host).
   static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes,
                                             const Topology& topology,
-                                            CudaMemory memory = CudaMemory::kMalloc);
+                                            CudaMemory memory = CudaMemory::kMalloc,
+                                            CudaReach reach = CudaReach::kNode);
   // Unmaps the peers and frees this rank's memory. Destroy it only after every rank is done with
   // the window (synchronize the executors, then a bootstrap barrier), or peers write into freed
   // memory. cudaMalloc/cudaFree may wait for the whole device: with ranks as threads of one
@@ -69,6 +81,20 @@ class CudaWindow {
   CudaMemory memory() const { return memory_; }
   std::byte* data(int rank) const;   // rank's data, as a device pointer valid in this process
   FlagWord* flags(int rank) const;   // rank's flag array, as a device pointer valid in this process
+  CudaReach reach() const { return reach_; }
+  const Topology& topology() const { return topology_; }
+  // The IPC network's mailbox in `rank`'s window for its exchanges with `peer` on `channel`
+  // (CudaReach::kHost windows). Every word of it is written by `peer` only: `posted` and `entries`
+  // describe peer's sends to rank (entries[(k - 1) % kNetQueueDepth] is send k; `seq` unused),
+  // `taken` counts rank's sends that peer has received. So every wait is on the waiter's own
+  // memory, where the watchdog can release it.
+  NetOutbox* mailbox(int rank, int channel, int peer) const;
+  // Host-side numbering of the IPC network's transfers on this window (1-based, never reset, like
+  // epochs): the next send to / receive from `peer` on `channel`.
+  uint64_t next_net_send(int channel, int peer) { return ++net_sent_[channel * world_ + peer]; }
+  uint64_t next_net_receive(int channel, int peer) {
+    return ++net_received_[channel * world_ + peer];
+  }
   // Epochs count collectives run on this window; they never reset.
   uint64_t next_epoch() { return ++epoch_; }
   uint64_t epoch() const { return epoch_; }
@@ -82,6 +108,7 @@ class CudaWindow {
     unsigned long long vmm_handle = 0;  // kVmm: the allocation handle (own or imported)
   };
   CudaMemory memory_ = CudaMemory::kMalloc;
+  CudaReach reach_ = CudaReach::kNode;
   std::size_t mapped_bytes_ = 0;  // kVmm: bytes of each rank's allocation (granularity multiple)
   int rank_ = 0;
   int world_ = 0;
@@ -89,7 +116,9 @@ class CudaWindow {
   Topology topology_;
   std::size_t data_bytes_ = 0;
   std::size_t flag_offset_ = 0;
+  std::size_t mailbox_offset_ = 0;
   std::vector<Peer> peers_;
+  std::vector<uint64_t> net_sent_, net_received_;
   uint64_t epoch_ = 0;
 };
 
@@ -140,11 +169,12 @@ class CudaExecutor final : public Executor {
   struct Stats {
     double cast_cta_us = 0;    // CTA-microseconds of cast kernels
     double reduce_cta_us = 0;  // CTA-microseconds of reduce kernels
+    double network_cta_us = 0; // CTA-microseconds of the IPC network's pull kernels
     int copies = 0;            // copy-engine copies enqueued
     int batched_copy_calls = 0;  // cudaMemcpyBatchAsync calls
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
     int kernel_launches = 0;
-    int network_groups = 0;      // ncclGroupStart/End pairs (multi-node programs)
+    int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
   };
 
   // `stream` is a cudaStream_t of the window's device (not the legacy default stream, which
@@ -154,7 +184,11 @@ class CudaExecutor final : public Executor {
   // `network` (multi-node programs only; may be null otherwise): the NCCL communicator over all W
   // ranks that carries NetSendOp/NetRecvOp as grouped ncclSend/ncclRecv on a network stream of
   // this executor. A network group stuck past the timeout aborts the communicator (NCCL's only
-  // way to release its kernels) and becomes a TimeoutError naming the peers.
+  // way to release its kernels) and becomes a TimeoutError naming the peers. Without one, a
+  // window created with CudaReach::kHost carries them over CUDA IPC (same groups, same network
+  // stream; a stuck transfer is a TimeoutError, one whose peer runs another collective a
+  // DesyncError, both naming peer, transfer, bucket, phase and epoch); otherwise multi-node
+  // programs are rejected.
   CudaExecutor(CudaWindow& window, void* stream,
                std::chrono::milliseconds timeout = default_timeout(), NcclComm* network = nullptr);
   // Waits for enqueued work (a stuck wait still ends within the timeout), then stops the watchdog.

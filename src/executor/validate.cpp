@@ -128,8 +128,8 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
       if (!check_peer(i, wait->peer, wait->kind)) return false;
     } else if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
       CHECK(net_supported, detail::concat("steps[", i, "]"), "a NetSendOp",
-            "no network ops: this executor has no network transport yet (the host executor has "
-            "one; the CUDA executor's NCCL transport is not built)");
+            "no network ops: this executor has no network transport (a CudaExecutor needs an "
+            "NcclComm, or a window created with CudaReach::kHost)");
       CHECK(send->peer >= 0 && send->peer < world && send->peer != rank,
             detail::concat("steps[", i, "].peer"), send->peer,
             detail::concat("a rank in [0, ", world, ") other than ", rank));
@@ -142,8 +142,8 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
       if (!check(i, "", -1, "src", send->src, send->bytes, false)) return false;
     } else if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
       CHECK(net_supported, detail::concat("steps[", i, "]"), "a NetRecvOp",
-            "no network ops: this executor has no network transport yet (the host executor has "
-            "one; the CUDA executor's NCCL transport is not built)");
+            "no network ops: this executor has no network transport (a CudaExecutor needs an "
+            "NcclComm, or a window created with CudaReach::kHost)");
       CHECK(recv->peer >= 0 && recv->peer < world && recv->peer != rank,
             detail::concat("steps[", i, "].peer"), recv->peer,
             detail::concat("a rank in [0, ", world, ") other than ", rank));

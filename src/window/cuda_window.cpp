@@ -1,5 +1,5 @@
-// CudaWindow: one allocation per rank, [data][FlagWord flags[2][W]], mapped into every peer of its
-// node; CudaAddressRange: a fixed address showing a VMM window's data. Compiled into tide_cuda
+// CudaWindow: one allocation per rank, [data][FlagWord flags[2][W]][NetOutbox mailboxes[2][W]],
+// mapped into every peer of its node (every rank for CudaReach::kHost); CudaAddressRange: a fixed address showing a VMM window's data. Compiled into tide_cuda
 // (tide_core stays free of CUDA).
 //
 // kMalloc: cudaMalloc, data rounded up to 256 B, shared with CUDA IPC. A peer with this process's
@@ -29,6 +29,12 @@ namespace {
 constexpr std::size_t kDataAlignment = 256;
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+// Flags, then the IPC network's mailboxes: what follows a window's data, zeroed at creation.
+std::size_t control_bytes(int world) {
+  return flag_array_bytes(world) +
+         sizeof(NetOutbox) * kNetChannels * static_cast<std::size_t>(world);
+}
 
 // Identifies this process among the ranks: the pid alone is not enough across containers, and a
 // fork()ed child inherits statics, so the token is regenerated whenever the pid changes.
@@ -132,7 +138,8 @@ void unmap_vmm(std::byte* base, std::size_t bytes) {
 }  // namespace
 
 std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t data_bytes,
-                                               const Topology& topology, CudaMemory memory) {
+                                               const Topology& topology, CudaMemory memory,
+                                               CudaReach reach) {
   const char* where = "CudaWindow::create";
   const int rank = bootstrap.rank();
   const int world = bootstrap.world();
@@ -147,7 +154,10 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   window->world_ = world;
   window->data_bytes_ = data_bytes;
   window->memory_ = memory;
+  window->reach_ = reach;
   window->peers_.assign(world, Peer{});
+  window->net_sent_.assign(static_cast<std::size_t>(kNetChannels) * world, 0);
+  window->net_received_.assign(static_cast<std::size_t>(kNetChannels) * world, 0);
   window->topology_ = topology;
   TIDE_CUDA_CHECK(cudaGetDevice(&window->device_));
   const int device = window->device_;
@@ -160,7 +170,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
     const auto& api = cuda_detail::driver_api();
     granularity = vmm_granularity(device);
     window->flag_offset_ = round_up(data_bytes, granularity);
-    window->mapped_bytes_ = window->flag_offset_ + round_up(flag_array_bytes(world), granularity);
+    window->mapped_bytes_ = window->flag_offset_ + round_up(control_bytes(world), granularity);
     const CUmemAllocationProp prop = vmm_properties(device);
     CUmemGenericAllocationHandle own = 0;
     TIDE_CU_CHECK(api.mem_create(&own, window->mapped_bytes_, &prop, 0));
@@ -170,7 +180,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   } else {
     window->flag_offset_ = round_up(data_bytes, kDataAlignment);
     void* base = nullptr;
-    TIDE_CUDA_CHECK(cudaMalloc(&base, window->flag_offset_ + flag_array_bytes(world)));
+    TIDE_CUDA_CHECK(cudaMalloc(&base, window->flag_offset_ + control_bytes(world)));
     window->peers_[rank].base = static_cast<std::byte*>(base);
     TIDE_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
   }
@@ -183,13 +193,14 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   std::byte* const base = window->peers_[rank].base;
   TIDE_CHECK_ARG(reinterpret_cast<uintptr_t>(base) % kDataAlignment == 0, where, "window base",
                  static_cast<void*>(base), detail::concat("aligned to ", kDataAlignment, " B"));
+  window->mailbox_offset_ = window->flag_offset_ + flag_array_bytes(world);
   // Flags must read zero before any peer can signal into them: zero, and wait, before the
   // handles are published. A private stream, not cudaDeviceSynchronize: other ranks of this
   // process (threads) may have streams blocked on flags, and a device-wide wait would join them.
   cudaStream_t zeroing = nullptr;
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking));
   const cudaError_t zeroed =
-      cudaMemsetAsync(base + window->flag_offset_, 0, flag_array_bytes(world), zeroing);
+      cudaMemsetAsync(base + window->flag_offset_, 0, control_bytes(world), zeroing);
   const cudaError_t synced = zeroed == cudaSuccess ? cudaStreamSynchronize(zeroing) : zeroed;
   (void)cudaStreamDestroy(zeroing);
   TIDE_CUDA_CHECK(synced);
@@ -200,9 +211,10 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   const std::vector<std::string> all = bootstrap.allgather(
       std::string(head) + (vmm ? std::string("-") : to_hex(&handle, sizeof handle)));
 
-  std::vector<int> node_peers;
+  std::vector<int> mapped_peers;
   for (int r = 0; r < world; ++r) {
-    if (r == rank || topology.node_of(r) != topology.node_of(rank)) continue;
+    if (r == rank || (reach == CudaReach::kNode && topology.node_of(r) != topology.node_of(rank)))
+      continue;
     std::size_t theirs = 0;
     uint64_t token = 0;
     int peer_device = 0, kind = 0;
@@ -229,7 +241,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
                                     "of one process must share a GPU; use processes across GPUs)"));
       window->peers_[r].base = reinterpret_cast<std::byte*>(pointer);
     } else if (vmm) {
-      node_peers.push_back(r);
+      mapped_peers.push_back(r);
     } else {
       cudaIpcMemHandle_t peer_handle;
       if (!from_hex(hex, &peer_handle, sizeof peer_handle))
@@ -243,7 +255,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   }
   if (vmm) {
     // Collective: every rank calls it (ranks of other nodes, or alone, with no peers to ask).
-    const std::vector<int> fds = exchange_fds(bootstrap, own_fd, node_peers);
+    const std::vector<int> fds = exchange_fds(bootstrap, own_fd, mapped_peers);
     const auto& api = cuda_detail::driver_api();
     std::exception_ptr failure;
     for (std::size_t k = 0; k < fds.size(); ++k) {
@@ -252,8 +264,8 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
         CUmemGenericAllocationHandle imported = 0;
         TIDE_CU_CHECK(api.mem_import(&imported, reinterpret_cast<void*>(static_cast<uintptr_t>(fds[k])),
                                      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
-        window->peers_[node_peers[k]].vmm_handle = imported;
-        window->peers_[node_peers[k]].base = map_vmm(imported, window->mapped_bytes_, granularity, device);
+        window->peers_[mapped_peers[k]].vmm_handle = imported;
+        window->peers_[mapped_peers[k]].base = map_vmm(imported, window->mapped_bytes_, granularity, device);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -293,6 +305,15 @@ std::byte* CudaWindow::data(int rank) const {
 
 FlagWord* CudaWindow::flags(int rank) const {
   return reinterpret_cast<FlagWord*>(data(rank) + flag_offset_);
+}
+
+NetOutbox* CudaWindow::mailbox(int rank, int channel, int peer) const {
+  TIDE_CHECK_ARG(channel >= 0 && channel < kNetChannels, "CudaWindow::mailbox", "channel", channel,
+                 detail::concat("in [0, ", kNetChannels, ")"));
+  TIDE_CHECK_ARG(peer >= 0 && peer < world_ && peer != rank, "CudaWindow::mailbox", "peer", peer,
+                 detail::concat("a rank in [0, ", world_, ") other than ", rank));
+  return reinterpret_cast<NetOutbox*>(data(rank) + mailbox_offset_) +
+         static_cast<std::size_t>(channel) * world_ + peer;
 }
 
 CudaAddressRange::CudaAddressRange(std::size_t bytes) : bytes_(bytes) {

@@ -227,9 +227,10 @@ struct Scenario {
   int world;
   std::vector<Invocation> sequence;  // run in order on one window, `repeats` times
   int repeats = 2;
-  int nodes = 1;       // > 1: multi-node plans (the CUDA executor then needs NCCL between nodes)
+  int nodes = 1;       // > 1: multi-node plans, the CUDA executor's network over NCCL or IPC
   NetOptions net = {};
   CudaMemory memory = CudaMemory::kMalloc;  // of the CUDA windows
+  CudaReach reach = CudaReach::kNode;       // kHost: virtual nodes, network over CUDA IPC
 
   Topology topology() const { return Topology{nodes, world / nodes}; }
   BucketLayout layout() const { return BucketLayout(specs, topology()); }

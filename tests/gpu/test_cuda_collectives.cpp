@@ -56,9 +56,9 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
   }
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto window = CudaWindow::create(bootstrap, window_bytes(s), s.topology(), s.memory);
+  auto window = CudaWindow::create(bootstrap, window_bytes(s), s.topology(), s.memory, s.reach);
   std::unique_ptr<NcclComm> network;
-  if (s.nodes > 1) network = NcclComm::create(bootstrap);
+  if (s.nodes > 1 && s.reach == CudaReach::kNode) network = NcclComm::create(bootstrap);
   {
     CudaExecutor executor(*window, stream, 30000ms, network.get());
     std::vector<std::byte> window_bytes(layout.window_bytes());
@@ -327,6 +327,43 @@ TEST(CudaCollectives, AcrossNodesOverNccl) {
   EXPECT_EQ(cases, 3);
 }
 
+// Virtual nodes on one GPU (issue 6's one-GPU check): ranks as processes sharing GPU 0 (all GPUs
+// where several exist), windows mapped by every rank, network ops over CUDA IPC. The shapes of
+// the CPU suite (W = 8 as 2x4, 4x2, 8x1; W = 6 as 3x2; W = 12 as 3x4) and both reduce-scatter
+// algorithms, small chunks and pacing so each bucket takes many network steps: bitwise equal to
+// the host executor running the same programs over its host transport, and within 1e-6 of fp64.
+TEST(CudaCollectives, VirtualNodesOverIpc) {
+  TIDE_REQUIRE_GPU();
+  std::mt19937_64 rng(6500);
+  struct Shape {
+    int nodes, local;
+    NetOptions net;
+  };
+  int cases = 0;
+  for (const Shape& shape : {Shape{2, 4, NetOptions{4096, 2, 2, false}},
+                             Shape{4, 2, NetOptions{1024, 4, 3, true}},
+                             Shape{8, 1, NetOptions{2048, 1, 2, false}},
+                             Shape{3, 2, NetOptions{4096, 2, 2, true}},
+                             Shape{3, 4, NetOptions{}}}) {
+    const int world = shape.nodes * shape.local;
+    Scenario s{random_specs(rng, world, 4, 1 << 14),
+               world,
+               {{Collective::kAllGather, {}, 1, 71},
+                {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 1, 72},
+                {Collective::kReduceScatter, options(ReduceKind::kSum, 0.5f, 2.0f, true), 2, 73}},
+               2,
+               shape.nodes,
+               shape.net};
+    s.reach = CudaReach::kHost;
+    SCOPED_TRACE(testing::Message() << "W=" << world << " as " << shape.nodes << "x" << shape.local
+                                    << ", chunk " << shape.net.chunk_bytes << ", halving "
+                                    << shape.net.rs_recursive_halving);
+    run_and_check(s);
+    ++cases;
+  }
+  EXPECT_EQ(cases, 5);
+}
+
 // VMM windows (cuMemCreate, descriptors passed between processes): the same collectives, bitwise.
 TEST(CudaCollectives, VmmWindowsMatchHostExecutor) {
   TIDE_REQUIRE_GPU();
@@ -490,6 +527,59 @@ TEST(CudaCollectives, MismatchedBucketsRaiseDesyncError) {
     EXPECT_EQ(reports[r].rfind("DesyncError: rank " + std::to_string(r), 0), 0u);
     EXPECT_NE(reports[r].find("bucket 1 all_gather"), std::string::npos);
     EXPECT_NE(reports[r].find("bucket 2 all_gather"), std::string::npos);
+  }
+}
+
+// The IPC network's failures: two virtual nodes (one rank each, so the first wait is a network
+// receive). A peer that runs another bucket makes both ranks' receives stop on the entry's tag
+// check: DesyncError naming both collectives. A peer that dies after mapping its window leaves the
+// survivor's receive waiting for a post: TimeoutError naming peer, transfer, bucket and epoch.
+TEST(CudaCollectives, IpcNetworkDesyncAndDeadPeer) {
+  TIDE_REQUIRE_GPU();
+  const int world = 2;
+  const BucketLayout layout({{"w", {32, 16}, DType::kBF16, DType::kFP32}}, Topology{2, 1});
+  for (const bool dies : {false, true}) {
+    SCOPED_TRACE(dies ? "rank 1 dies" : "rank 1 runs bucket 2");
+    TempDir dir;
+    const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+      select_device(rank);
+      auto window = CudaWindow::create(b, layout.window_bytes(), layout.topology(),
+                                       CudaMemory::kMalloc, CudaReach::kHost);
+      if (dies && rank == 1) ::_exit(0);
+      cudaStream_t stream = nullptr;
+      CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      DeviceBuffer shard(layout.param(0).valid_numel(rank) * 4);
+      {
+        CudaExecutor executor(*window, stream, 2000ms);
+        executor.run(plan_all_gather(layout, rank, rank == 0 ? 1 : 2, NetOptions{}),
+                     Bindings{{shard.ptr}, {}});
+        try {
+          executor.synchronize();
+        } catch (...) {
+          if (!dies) b.barrier();  // both drained before either window goes away
+          throw;
+        }
+      }
+      if (!dies) b.barrier();
+    });
+    if (dies) {
+      const std::string& m = reports[0];
+      SCOPED_TRACE(m);
+      EXPECT_EQ(m.rfind("TimeoutError: rank 0", 0), 0u);
+      EXPECT_NE(m.find("net receive #1"), std::string::npos);
+      EXPECT_NE(m.find("from rank 1"), std::string::npos);
+      EXPECT_NE(m.find("bucket 1 all_gather"), std::string::npos);
+      EXPECT_NE(m.find("epoch 1"), std::string::npos);
+      EXPECT_NE(m.find("[CUDA IPC network]"), std::string::npos);
+      continue;
+    }
+    for (int r = 0; r < world; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r) + ": " + reports[r]);
+      EXPECT_EQ(reports[r].rfind("DesyncError: rank " + std::to_string(r), 0), 0u);
+      EXPECT_NE(reports[r].find("bucket 1 all_gather"), std::string::npos);
+      EXPECT_NE(reports[r].find("bucket 2 all_gather"), std::string::npos);
+      EXPECT_NE(reports[r].find("[CUDA IPC network]"), std::string::npos);
+    }
   }
 }
 

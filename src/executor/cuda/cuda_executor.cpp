@@ -13,7 +13,12 @@
 //                 reading or writing what an earlier one of the kernel writes.
 //   NetSendOp/NetRecvOp -> grouped ncclSend/ncclRecv on a network stream, as the group schedule
 //                 (src/executor/net/group_schedule.hpp) says: issued after the stream reaches the
-//                 group's last op, waited for only by steps that touch its bytes.
+//                 group's last op, waited for only by steps that touch its bytes. Without NCCL,
+//                 on a CudaReach::kHost window, the same groups run over CUDA IPC: a send posts
+//                 its (offset, bytes, epoch, tag) into the receiver's mailbox with stream writes;
+//                 a receive waits for the post (stream waits that also check epoch, tag and
+//                 bytes), pulls the bytes with a kernel and counts the send as taken in the
+//                 sender's mailbox; the group ends once its sends are taken.
 //
 // Watchdog: each wait is bracketed by two events. A host thread looks at the oldest wait not yet
 // passed; once its "before" event has completed but its "after" has not for longer than the
@@ -70,17 +75,34 @@ cuda_kernels::ElementType element_type(DType dtype) {
   return static_cast<cuda_kernels::ElementType>(static_cast<int>(dtype));
 }
 
+// A stream wait on a word of the own window's IPC mailbox: `value` passes it (GEQ or EQ).
+struct MailboxWord {
+  uint64_t* word;
+  uint64_t value;
+  bool equal;
+};
+
 struct PendingWait {
-  uint64_t id;
-  cudaEvent_t before;
-  cudaEvent_t after;
-  FlagWord* flag;  // own flag, device pointer; null for a network group
-  uint64_t epoch;
-  uint64_t tag;
-  int peer;
-  FlagKind kind;
-  Phase phase;
-  std::string peers;  // a network group's peers, for its timeout message
+  enum class Kind : uint8_t {
+    kFlag,     // a WaitOp: `flag`
+    kNccl,     // a network group over NCCL: only an abort releases it
+    kMailbox,  // an IPC network transfer: `words` of `mailbox`
+  };
+  uint64_t id = 0;
+  cudaEvent_t before = nullptr;
+  cudaEvent_t after = nullptr;
+  Kind kind = Kind::kFlag;
+  FlagWord* flag = nullptr;  // kFlag: own flag, device pointer
+  uint64_t epoch = 0;
+  uint64_t tag = 0;
+  int peer = -1;
+  FlagKind flag_kind = FlagKind::kDataReady;  // kFlag
+  Phase phase = Phase::kPush;
+  std::string what;  // kNccl: the group's peers; kMailbox: the transfer, for messages
+  const NetOutbox* mailbox = nullptr;  // kMailbox: own mailbox for `peer`
+  std::vector<MailboxWord> words;      // kMailbox
+  uint64_t seq = 0;                    // kMailbox receive: the send number it waits for (else 0)
+  std::size_t bytes = 0;               // kMailbox receive: its bytes
 };
 
 struct Span {
@@ -89,11 +111,13 @@ struct Span {
   bool overlaps(const Span& o) const { return begin < o.end && o.begin < end; }
 };
 
+enum class KernelKind : uint8_t { kCast, kReduce, kNetPull };
+
 struct KernelTiming {
   cudaEvent_t start;
   cudaEvent_t end;
   int ctas;
-  bool reduce;
+  KernelKind kind;
 };
 
 }  // namespace
@@ -105,12 +129,16 @@ struct CudaExecutor::Impl {
   NcclComm* network;
   const cuda_detail::DriverApi& api;
   cudaStream_t net_stream = nullptr;   // created at the first multi-node program
+  // IPC network: a group's receives from its second, third... peer run on these, so a receive
+  // never waits behind another peer's (NCCL runs a group's transfers concurrently too).
+  std::vector<cudaStream_t> peer_streams;
   cudaEvent_t net_ready = nullptr;     // the compute stream's position at a group's last op
   std::mutex net_mutex;                // NCCL calls on `network` vs the watchdog's abort
   cudaStream_t side_stream = nullptr;  // non-blocking: the watchdog's flag reads and releases
   // Host staging of the watchdog's flag reads/writes (pageable: cudaMallocHost/cudaFreeHost may
   // wait for the whole device, which must not happen while ranks of this process wait on each other).
   std::vector<FlagWord> staging;
+  NetOutbox mailbox_staging{};
   bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
   std::vector<cudaStream_t> streams_used;
 
@@ -189,37 +217,50 @@ struct CudaExecutor::Impl {
   }
 
   template <class Launch>
-  void launch_timed(bool reduce, Launch&& launch) {
+  void launch_timed(KernelKind kind, cudaStream_t on, Launch&& launch) {
     cudaEvent_t start = nullptr, end = nullptr;
     if (stats_enabled) {
       TIDE_CUDA_CHECK(cudaEventCreate(&start));
       TIDE_CUDA_CHECK(cudaEventCreate(&end));
-      TIDE_CUDA_CHECK(cudaEventRecord(start, stream));
+      TIDE_CUDA_CHECK(cudaEventRecord(start, on));
     }
     const cuda_kernels::LaunchInfo info = launch();
     stats.kernel_launches += info.launches;
     if (stats_enabled) {
-      TIDE_CUDA_CHECK(cudaEventRecord(end, stream));
-      timings.push_back({start, end, info.max_ctas, reduce});
+      TIDE_CUDA_CHECK(cudaEventRecord(end, on));
+      timings.push_back({start, end, info.max_ctas, kind});
     }
+  }
+
+  PendingWait new_wait(PendingWait::Kind kind, uint64_t epoch, uint64_t tag, int peer, Phase phase) {
+    PendingWait record;
+    record.before = take_event(), record.after = take_event();
+    record.kind = kind, record.epoch = epoch, record.tag = tag, record.peer = peer;
+    record.phase = phase;
+    return record;
+  }
+
+  void watch(PendingWait&& record) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      record.id = next_wait_id++;
+      pending.push_back(std::move(record));
+    }
+    wake.notify_one();
   }
 
   void enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag) {
     const int rank = window.rank();
     FlagWord* flag = window.flags(rank) + flag_index(wait.kind, wait.peer, window.world());
-    PendingWait record{0, take_event(), take_event(), flag, epoch, tag, wait.peer, wait.kind, phase, {}};
+    PendingWait record = new_wait(PendingWait::Kind::kFlag, epoch, tag, wait.peer, phase);
+    record.flag = flag, record.flag_kind = wait.kind;
     TIDE_CUDA_CHECK(cudaEventRecord(record.before, stream));
     TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch), epoch,
                                           CU_STREAM_WAIT_VALUE_GEQ));
     TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->tag), tag,
                                           CU_STREAM_WAIT_VALUE_EQ));
     TIDE_CUDA_CHECK(cudaEventRecord(record.after, stream));
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      record.id = next_wait_id++;
-      pending.push_back(record);
-    }
-    wake.notify_one();
+    watch(std::move(record));
   }
 
   void enqueue_signal(const SignalOp& signal, uint64_t epoch, uint64_t tag) {
@@ -232,22 +273,44 @@ struct CudaExecutor::Impl {
   }
 
   // Enqueues a group's sends and receives on the network stream after the compute stream's
-  // position recorded in net_ready, watched like a wait. Returns an event recorded after it, the
-  // caller's (its compute stream may wait on it; give it back with recycle_events once every
-  // cudaStreamWaitEvent on it is enqueued). The watchdog's events are separate: it recycles them
-  // as soon as they complete, which must not re-record an event a later wait still refers to.
+  // position recorded in net_ready: over NCCL if the executor has a communicator, else over CUDA
+  // IPC. Returns an event recorded after it, the caller's (its compute stream may wait on it; give
+  // it back with recycle_events once every cudaStreamWaitEvent on it is enqueued). The watchdog's
+  // events are separate: it recycles them as soon as they complete, which must not re-record an
+  // event a later wait still refers to.
   cudaEvent_t issue_group(const net::NetGroup& group, const Program& program,
                           const std::function<std::byte*(const Address&)>& resolve, uint64_t epoch,
-                          uint64_t tag) {
-    const NcclLibrary& nccl = NcclLibrary::get();
+                          uint64_t tag, Phase phase) {
     if (!net_stream) TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&net_stream, cudaStreamNonBlocking));
-    if (std::find(streams_used.begin(), streams_used.end(), net_stream) == streams_used.end())
-      streams_used.push_back(net_stream);
-    PendingWait record{0, take_event(), take_event(), nullptr, epoch, tag, -1,
-                       FlagKind::kDataReady, Phase::kPush, {}};
+    use_stream(net_stream);
+    TIDE_CUDA_CHECK(cudaStreamWaitEvent(net_stream, net_ready, 0));
     cudaEvent_t done = take_event();
     try {
-      TIDE_CUDA_CHECK(cudaStreamWaitEvent(net_stream, net_ready, 0));
+      if (network)
+        issue_nccl_group(group, program, resolve, epoch, tag, phase);
+      else
+        issue_ipc_group(group, program, resolve, epoch, tag, phase);
+      TIDE_CUDA_CHECK(cudaEventRecord(done, net_stream));
+    } catch (...) {
+      recycle_events({done});
+      throw;
+    }
+    ++stats.network_groups;
+    return done;
+  }
+
+  void use_stream(cudaStream_t s) {
+    if (std::find(streams_used.begin(), streams_used.end(), s) == streams_used.end())
+      streams_used.push_back(s);
+  }
+
+  // One NCCL group, watched as a whole: NCCL can only be released by aborting the communicator.
+  void issue_nccl_group(const net::NetGroup& group, const Program& program,
+                        const std::function<std::byte*(const Address&)>& resolve, uint64_t epoch,
+                        uint64_t tag, Phase phase) {
+    const NcclLibrary& nccl = NcclLibrary::get();
+    PendingWait record = new_wait(PendingWait::Kind::kNccl, epoch, tag, -1, phase);
+    try {
       TIDE_CUDA_CHECK(cudaEventRecord(record.before, net_stream));
       // Under net_mutex: the watchdog aborts the communicator (which frees it) only between
       // groups, never while this thread is inside an NCCL call on it.
@@ -258,12 +321,12 @@ struct CudaExecutor::Impl {
       for (std::size_t i : group.ops) {
         const Step& step = program.steps[i];
         if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
-          record.peers += detail::concat(record.peers.empty() ? "" : ", ", "send to ", send->peer);
+          record.what += detail::concat(record.what.empty() ? "" : ", ", "send to ", send->peer);
           if (result == 0)
             result = nccl.send(resolve(send->src), send->bytes, NcclLibrary::kUint8, send->peer,
                                network->get(), net_stream);
         } else if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
-          record.peers += detail::concat(record.peers.empty() ? "" : ", ", "receive from ", recv->peer);
+          record.what += detail::concat(record.what.empty() ? "" : ", ", "receive from ", recv->peer);
           if (result == 0)
             result = nccl.recv(resolve(recv->dst), recv->bytes, NcclLibrary::kUint8, recv->peer,
                                network->get(), net_stream);
@@ -273,19 +336,128 @@ struct CudaExecutor::Impl {
       nccl.check(result, "ncclSend/ncclRecv");
       nccl.check(ended, "ncclGroupEnd");
       TIDE_CUDA_CHECK(cudaEventRecord(record.after, net_stream));
-      TIDE_CUDA_CHECK(cudaEventRecord(done, net_stream));
     } catch (...) {
-      recycle_events({record.before, record.after, done});
+      recycle_events({record.before, record.after});
       throw;
     }
-    ++stats.network_groups;
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      record.id = next_wait_id++;
-      pending.push_back(record);
+    watch(std::move(record));
+  }
+
+  // Stream waits on `words` of the own mailbox for `peer` on stream `on`, watched.
+  void enqueue_mailbox_wait(cudaStream_t on, const NetOutbox* mailbox, std::vector<MailboxWord> words,
+                            std::string what, int peer, uint64_t seq, std::size_t bytes,
+                            uint64_t epoch, uint64_t tag, Phase phase) {
+    PendingWait record = new_wait(PendingWait::Kind::kMailbox, epoch, tag, peer, phase);
+    record.what = std::move(what), record.mailbox = mailbox, record.words = std::move(words), record.seq = seq, record.bytes = bytes;
+    TIDE_CUDA_CHECK(cudaEventRecord(record.before, on));
+    for (const MailboxWord& w : record.words)
+      TIDE_CU_CHECK(api.stream_wait_value64(on, reinterpret_cast<CUdeviceptr>(w.word), w.value,
+                                            w.equal ? CU_STREAM_WAIT_VALUE_EQ
+                                                    : CU_STREAM_WAIT_VALUE_GEQ));
+    TIDE_CUDA_CHECK(cudaEventRecord(record.after, on));
+    watch(std::move(record));
+  }
+
+  void write_word(cudaStream_t on, uint64_t* word, uint64_t value) {
+    TIDE_CU_CHECK(api.stream_write_value64(on, reinterpret_cast<CUdeviceptr>(word), value,
+                                           CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
+
+  // One group over CUDA IPC (window.reach() == kHost). Sends are posted first, on the network
+  // stream, without waiting for the receivers (room in the mailbox aside); each peer's receives
+  // then run in order on a stream of their own, so no receive waits behind another peer's; the
+  // group ends once its receives are done and its sends taken: NCCL's group semantics, which the
+  // planner's schedules are checked against (simulate_groups).
+  void issue_ipc_group(const net::NetGroup& group, const Program& program,
+                       const std::function<std::byte*(const Address&)>& resolve, uint64_t epoch,
+                       uint64_t tag, Phase phase) {
+    const int rank = window.rank();
+    struct Posted {
+      int channel, peer;
+      uint64_t seq;
+      std::size_t bytes;
+    };
+    std::vector<Posted> sends;
+    std::vector<int> receive_peers;  // distinct, in order of first receive
+    for (std::size_t i : group.ops) {
+      const Step& step = program.steps[i];
+      if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
+        if (std::find(receive_peers.begin(), receive_peers.end(), recv->peer) == receive_peers.end())
+          receive_peers.push_back(recv->peer);
+        continue;
+      }
+      const auto& send = std::get<NetSendOp>(step.op);
+      const uint64_t k = window.next_net_send(send.channel, send.peer);
+      const NetOutbox* own = window.mailbox(rank, send.channel, send.peer);
+      if (k > static_cast<uint64_t>(kNetQueueDepth))
+        enqueue_mailbox_wait(net_stream, own,
+                             {{const_cast<uint64_t*>(&own->taken), k - kNetQueueDepth, false}},
+                             detail::concat("room in the mailbox of rank ", send.peer,
+                                            " for net send #", k),
+                             send.peer, 0, send.bytes, epoch, tag, phase);
+      NetOutbox* theirs = window.mailbox(send.peer, send.channel, rank);
+      NetEntry& entry = theirs->entries[(k - 1) % kNetQueueDepth];
+      write_word(net_stream, &entry.epoch, epoch);
+      write_word(net_stream, &entry.tag, tag);
+      write_word(net_stream, &entry.offset, send.src.offset);
+      write_word(net_stream, &entry.bytes, send.bytes);
+      write_word(net_stream, &theirs->posted, k);  // after a barrier: the entry is visible first
+      sends.push_back({send.channel, send.peer, k, send.bytes});
     }
-    wake.notify_one();
-    return done;
+    // Each distinct receiving peer after the first gets a stream forked from the network stream.
+    while (peer_streams.size() + 1 < receive_peers.size()) {
+      cudaStream_t s = nullptr;
+      TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      peer_streams.push_back(s);
+    }
+    std::vector<cudaEvent_t> joins;
+    cudaEvent_t fork = nullptr;
+    if (receive_peers.size() > 1) {
+      fork = take_event();
+      TIDE_CUDA_CHECK(cudaEventRecord(fork, net_stream));
+    }
+    for (std::size_t p = 0; p < receive_peers.size(); ++p) {
+      cudaStream_t on = p == 0 ? net_stream : peer_streams[p - 1];
+      if (p > 0) {
+        use_stream(on);
+        TIDE_CUDA_CHECK(cudaStreamWaitEvent(on, fork, 0));
+      }
+      for (std::size_t i : group.ops) {
+        const auto* recv = std::get_if<NetRecvOp>(&program.steps[i].op);
+        if (!recv || recv->peer != receive_peers[p]) continue;
+        const uint64_t k = window.next_net_receive(recv->channel, recv->peer);
+        NetOutbox* own = window.mailbox(rank, recv->channel, recv->peer);
+        NetEntry& entry = own->entries[(k - 1) % kNetQueueDepth];
+        enqueue_mailbox_wait(on, own,
+                             {{&own->posted, k, false},
+                              {&entry.epoch, epoch, true},
+                              {&entry.tag, tag, true},
+                              {&entry.bytes, recv->bytes, true}},
+                             detail::concat("net receive #", k, " (", recv->bytes,
+                                            " B) from rank ", recv->peer),
+                             recv->peer, k, recv->bytes, epoch, tag, phase);
+        launch_timed(KernelKind::kNetPull, on, [&] {
+          return cuda_kernels::launch_net_pull(&entry.offset, window.data(recv->peer),
+                                               resolve(recv->dst), recv->bytes,
+                                               window.data_bytes(), on);
+        });
+        write_word(on, &window.mailbox(recv->peer, recv->channel, rank)->taken, k);
+      }
+      if (p > 0) {
+        joins.push_back(take_event());
+        TIDE_CUDA_CHECK(cudaEventRecord(joins.back(), on));
+        TIDE_CUDA_CHECK(cudaStreamWaitEvent(net_stream, joins.back(), 0));
+      }
+    }
+    if (fork) joins.push_back(fork);
+    recycle_events(joins);  // every wait on them is enqueued
+    for (const Posted& send : sends) {
+      const NetOutbox* own = window.mailbox(rank, send.channel, send.peer);
+      enqueue_mailbox_wait(net_stream, own, {{const_cast<uint64_t*>(&own->taken), send.seq, false}},
+                           detail::concat("rank ", send.peer, " to receive net send #", send.seq,
+                                          " (", send.bytes, " B)"),
+                           send.peer, 0, send.bytes, epoch, tag, phase);
+    }
   }
 
   void recycle_events(const std::vector<cudaEvent_t>& events) {
@@ -318,7 +490,10 @@ struct CudaExecutor::Impl {
     for (const KernelTiming& t : timings) {
       float ms = 0;
       TIDE_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.end));
-      (t.reduce ? stats.reduce_cta_us : stats.cast_cta_us) += 1000.0 * ms * t.ctas;
+      double& cta_us = t.kind == KernelKind::kCast     ? stats.cast_cta_us
+                       : t.kind == KernelKind::kReduce ? stats.reduce_cta_us
+                                                       : stats.network_cta_us;
+      cta_us += 1000.0 * ms * t.ctas;
       (void)cudaEventDestroy(t.start);
       (void)cudaEventDestroy(t.end);
     }
@@ -350,10 +525,43 @@ struct CudaExecutor::Impl {
   std::exception_ptr diagnose_network(const PendingWait& w) {
     return std::make_exception_ptr(TimeoutError(detail::concat(
         "rank ", window.rank(), ": timed out after ", timeout.count(),
-        " ms in a network transfer (", w.peers, "; ", describe_tag(w.tag), ", phase ",
+        " ms in a network transfer (", w.what, "; ", describe_tag(w.tag), ", phase ",
         phase_name(w.phase), ", epoch ", w.epoch, ") over NCCL; the communicator was aborted. A "
         "peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is only "
         "slow)")));
+  }
+
+  // A stuck IPC transfer: a receive whose send was posted with another epoch, tag or size is a
+  // desync; anything else a timeout.
+  std::exception_ptr diagnose_mailbox(const PendingWait& w) {
+    TIDE_CUDA_CHECK(cudaMemcpyAsync(&mailbox_staging, w.mailbox, sizeof(NetOutbox),
+                                    cudaMemcpyDeviceToHost, side_stream));
+    TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
+    const NetOutbox& box = mailbox_staging;
+    const std::string where = detail::concat(describe_tag(w.tag), ", phase ", phase_name(w.phase),
+                                             ", epoch ", w.epoch);
+    if (w.seq > 0 && box.posted >= w.seq) {
+      const NetEntry& e = box.entries[(w.seq - 1) % kNetQueueDepth];
+      return std::make_exception_ptr(DesyncError(detail::concat(
+          "rank ", window.rank(), " runs ", where, " and expects ", w.what, ", but rank ", w.peer,
+          " posted send #", w.seq, " of ", e.bytes, " B for ", describe_tag(e.tag), " at epoch ",
+          e.epoch, ": the ranks called collectives in different orders [CUDA IPC network]")));
+    }
+    return std::make_exception_ptr(TimeoutError(detail::concat(
+        "rank ", window.rank(), ": timed out after ", timeout.count(), " ms waiting for ", w.what,
+        " (", where, ") on the GPU; rank ", w.peer, " has posted ", box.posted,
+        " sends to this rank and received ", box.taken, " of its sends [CUDA IPC network]. The "
+        "peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is only "
+        "slow)")));
+  }
+
+  void release_words(const std::vector<MailboxWord>& words) {
+    for (const MailboxWord& w : words) {
+      const uint64_t value = w.equal ? w.value : kReleaseEpoch;
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(w.word, &value, sizeof value, cudaMemcpyHostToDevice,
+                                      side_stream));
+      TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
+    }
   }
 
   std::exception_ptr diagnose(const PendingWait& w, const FlagWord& seen) {
@@ -367,7 +575,7 @@ struct CudaExecutor::Impl {
     }
     return std::make_exception_ptr(TimeoutError(detail::concat(
         "rank ", rank, ": timed out after ", timeout.count(), " ms waiting for ",
-        flag_kind_name(w.kind), " from rank ", w.peer, " (", describe_tag(w.tag), ", phase ",
+        flag_kind_name(w.flag_kind), " from rank ", w.peer, " (", describe_tag(w.tag), ", phase ",
         phase_name(w.phase), ", epoch ", w.epoch, ") on the GPU; last signal from rank ", w.peer,
         ": ",
         seen.epoch == 0 ? std::string("none")
@@ -405,24 +613,27 @@ struct CudaExecutor::Impl {
         if (before == cudaSuccess) {
           const Clock::time_point now = Clock::now();
           if (stuck_id != w.id) stuck_id = w.id, stuck_since = now;
-          if (w.flag == nullptr) {  // a network group: NCCL can only be released by an abort
-            if (!draining && now - stuck_since >= timeout) {
-              store_error(diagnose_network(w));
-              write_flags(window.flags(window.rank()), kNumFlagKinds * window.world(), w.tag);
-              draining = true;
-            }
-            if (draining && !network->aborted()) {
-              std::lock_guard<std::mutex> net_lock(net_mutex);
-              network->abort();
-            }
-          } else if (!draining && now - stuck_since >= timeout) {
-            store_error(diagnose(w, read_flag(w.flag)));
+          const bool timed_out = !draining && now - stuck_since >= timeout;
+          if (timed_out) {
+            store_error(w.kind == PendingWait::Kind::kNccl      ? diagnose_network(w)
+                        : w.kind == PendingWait::Kind::kMailbox ? diagnose_mailbox(w)
+                                                                : diagnose(w, read_flag(w.flag)));
             // Release every own flag at once (this program's remaining waits pass quickly);
             // waits of later programs, or flags a live peer overwrites, are released one by one.
             write_flags(window.flags(window.rank()), kNumFlagKinds * window.world(), w.tag);
             draining = true;
-          } else if (draining) {
-            write_flags(w.flag, 1, w.tag);
+          }
+          if (draining) {
+            if (w.kind == PendingWait::Kind::kNccl) {  // NCCL can only be released by an abort
+              if (!network->aborted()) {
+                std::lock_guard<std::mutex> net_lock(net_mutex);
+                network->abort();
+              }
+            } else if (w.kind == PendingWait::Kind::kMailbox) {
+              release_words(w.words);
+            } else if (!timed_out) {
+              write_flags(w.flag, 1, w.tag);
+            }
           }
         }
         std::this_thread::sleep_for(draining ? std::chrono::microseconds(100)
@@ -488,6 +699,7 @@ CudaExecutor::~CudaExecutor() {
   for (cudaEvent_t e : d.free_events) (void)cudaEventDestroy(e);
   if (d.net_ready) (void)cudaEventDestroy(d.net_ready);
   if (d.net_stream) (void)cudaStreamDestroy(d.net_stream);
+  for (cudaStream_t s : d.peer_streams) (void)cudaStreamDestroy(s);
   for (const KernelTiming& t : d.timings) {
     (void)cudaEventDestroy(t.start);
     (void)cudaEventDestroy(t.end);
@@ -513,7 +725,7 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
   const int rank = window.rank();
   const int world = window.world();
   validate_run(program, bindings, rank, world, window.data_bytes(), window.data(rank),
-               /*net_supported=*/d.network != nullptr);
+               /*net_supported=*/d.network != nullptr || window.reach() == CudaReach::kHost);
   d.throw_if_failed();
   const uint64_t epoch = window.next_epoch();
   const uint64_t tag = program.tag();
@@ -543,7 +755,8 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
   auto network_actions = [&](std::size_t i) {
     if (!has_net) return;
     for (int g : schedule.issue_before[i])
-      group_done.push_back(d.issue_group(schedule.groups[g], program, resolve, epoch, tag));
+      group_done.push_back(d.issue_group(schedule.groups[g], program, resolve, epoch, tag,
+                                         steps[schedule.groups[g].ops.back()].phase));
     if (schedule.wait_before[i] >= 0)
       TIDE_CUDA_CHECK(cudaStreamWaitEvent(d.stream, group_done[schedule.wait_before[i]], 0));
   };
@@ -585,7 +798,7 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
       }
       d.enqueue_copies(dsts, srcs, sizes);
       if (!casts.empty())
-        d.launch_timed(false, [&] {
+        d.launch_timed(KernelKind::kCast, d.stream, [&] {
           return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, d.stream);
         });
     } else if (std::holds_alternative<ReduceOp>(step.op)) {
@@ -631,7 +844,7 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
                            reduce.prescale, reduce.scale, reduce.accumulate,
                            element_type(reduce.src_dtype), element_type(reduce.dst_dtype)});
       }
-      d.launch_timed(true, [&] {
+      d.launch_timed(KernelKind::kReduce, d.stream, [&] {
         return cuda_kernels::launch_reduces(reduces.data(), reduces.size(),
                                             static_cast<int>(num_sources), 0, d.stream);
       });

@@ -245,6 +245,28 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) reduce_kernel(const __grid_
   }
 }
 
+// ---- The IPC network's pull. -------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreadsPerCta) net_pull_kernel(const uint64_t* offset,
+                                                                 const std::byte* peer_data,
+                                                                 std::byte* dst, std::size_t bytes,
+                                                                 std::size_t limit) {
+  const uint64_t from = *reinterpret_cast<const volatile uint64_t*>(offset);
+  if (from > limit || bytes > limit - from) return;
+  const std::byte* src = peer_data + from;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t k = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0) {
+    const std::size_t vectors = bytes / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (std::size_t v = k; v < vectors; v += stride) d[v] = s[v];
+    for (std::size_t b = vectors * 16 + k; b < bytes; b += stride) dst[b] = src[b];
+  } else {
+    for (std::size_t b = k; b < bytes; b += stride) dst[b] = src[b];
+  }
+}
+
 // ---- Fill (benchmarks and tests). ------------------------------------------------------------
 
 template <ElementType T>
@@ -322,6 +344,7 @@ void preload_kernels() {
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<LargeCastTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<SmallReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<LargeReduceTable>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, net_pull_kernel));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kBF16>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kFP16>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kFP32>));
@@ -421,6 +444,18 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
     first += n;
   }
   return info;
+}
+
+LaunchInfo launch_net_pull(const uint64_t* offset, const void* peer_data, void* dst,
+                           std::size_t bytes, std::size_t limit, cudaStream_t stream) {
+  if (bytes == 0) return {};
+  const std::size_t per_cta = static_cast<std::size_t>(kThreadsPerCta) * 16 * 8;
+  const int grid = static_cast<int>(
+      std::min<std::size_t>(kNetPullCtas, (bytes + per_cta - 1) / per_cta));
+  net_pull_kernel<<<grid, kThreadsPerCta, 0, stream>>>(
+      offset, static_cast<const std::byte*>(peer_data), static_cast<std::byte*>(dst), bytes, limit);
+  check_launch("net_pull_kernel<<<>>>");
+  return {1, grid};
 }
 
 void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t seed,

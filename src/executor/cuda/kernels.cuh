@@ -1,4 +1,4 @@
-// The two kernels of the CUDA executor, and their host-side launchers. Both take a task table by
+// The kernels of the CUDA executor (cast, reduce, and the IPC network's pull), and their host-side launchers. Both take a task table by
 // value (a __grid_constant__ kernel parameter), so one launch serves every CastOp (or ReduceOp) of
 // a program and nothing has to be uploaded or kept alive: the launch copies the table.
 //
@@ -71,6 +71,14 @@ LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ct
                         cudaStream_t stream);
 LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
                           int max_ctas, cudaStream_t stream);
+
+// The CUDA IPC network's receive (CudaReach::kHost): dst[0:bytes] = peer_data[*offset:][0:bytes],
+// the offset read on the device from the mailbox entry the sender posted (the receiver's host does
+// not know it). An offset past `limit - bytes` (only after the watchdog released a stuck transfer)
+// copies nothing. At most kNetPullCtas CTAs, as NCCL drives a peer transfer with a few channels.
+inline constexpr int kNetPullCtas = 16;
+LaunchInfo launch_net_pull(const uint64_t* offset, const void* peer_data, void* dst,
+                           std::size_t bytes, std::size_t limit, cudaStream_t stream);
 
 #if defined(__CUDACC__)
 #define TIDE_HOST_DEVICE __host__ __device__
