@@ -18,7 +18,9 @@
 // --nodes N (sweep/bucket: W ranks as N nodes), --network nccl|ipc (between those nodes: NCCL,
 // one GPU per rank; or CUDA IPC, virtual nodes whose ranks may share GPUs: on one GPU the whole
 // pipeline, network included, is bound by that GPU's HBM), --chunk-mib N (multi-node chunk size,
-// default 16).
+// default 16), --threads (sweep/bucket: the ranks as threads of one process on GPU 0, one CUDA
+// context, instead of processes, whose contexts the GPU time-slices: every hand-off between
+// ranks can then wait for a time slice).
 //
 // Times: per rank, CUDA events around each of N back-to-back runs; the median per rank; the slowest
 // rank's median reported. algbw = bytes / time, busbw = algbw * (W-1)/W (nccl-tests). SM time =
@@ -78,6 +80,7 @@ struct Args {
   bool quick = false;
   int nodes = 1;  // > 1: every rank group of W/nodes its own (virtual) node
   std::string network = "nccl";  // between nodes: nccl | ipc (CudaReach::kHost windows)
+  bool threads = false;          // ranks as threads of one process (GPU 0)
   std::size_t chunk_mib = 16;  // multi-node: NetOptions::chunk_bytes (each chunk one send/recv)
 };
 
@@ -211,10 +214,16 @@ bool fork_ranks(int world, const std::function<void(int, Bootstrap&)>& body,
   return ok;
 }
 
+bool run_single_child(const std::function<void()>& body) {
+  return fork_ranks(1, [&](int, Bootstrap&) { body(); });
+}
+
+// Ranks as threads share GPU 0 (CudaWindow refuses threads on different GPUs).
+thread_local bool ranks_are_threads = false;
 void select_device(int rank) {
   int count = 0;
   BCHECK(cudaGetDeviceCount(&count));
-  BCHECK(cudaSetDevice(rank % count));
+  BCHECK(cudaSetDevice(ranks_are_threads ? 0 : rank % count));
 }
 
 double median(std::vector<double> v) {
@@ -345,8 +354,8 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     const Program program = collective == Collective::kAllGather
                                 ? plan_all_gather(layout, rank, 1, net)
                                 : plan_reduce_scatter(layout, rank, options, 2, net);
-    auto window = CudaWindow::create(bootstrap, program.window_bytes, topology, CudaMemory::kMalloc,
-                                     ipc ? CudaReach::kHost : CudaReach::kNode);
+    // Memory before the window, whose creation ends in a barrier: with ranks as threads,
+    // cudaMalloc/cudaFree may wait for the whole device while a peer's stream waits on this rank.
     std::vector<DeviceMemory> inputs, outputs;
     Bindings bindings;
     for (std::size_t i = 0; i < layout.num_params(); ++i) {
@@ -366,6 +375,8 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       bindings.inputs.push_back(inputs.back().ptr);
     }
     BCHECK(cudaStreamSynchronize(stream));
+    auto window = CudaWindow::create(bootstrap, program.window_bytes, topology, CudaMemory::kMalloc,
+                                     ipc ? CudaReach::kHost : CudaReach::kNode);
 
     double median_us = 0, sm_cta_us = 0;
     bool batched = false;
@@ -385,6 +396,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us;
       batched = stats.batched_copy_calls > 0 && stats.single_copy_calls == 0;
       executor.enable_stats(false);
+      bootstrap.barrier();  // threads: no pageable copy (below) while a peer's stream may wait
 
       // Check the last run's result on the device, bit for bit.
       BCHECK(cudaMemsetAsync(mismatches.ptr, 0, sizeof(unsigned long long), stream));
@@ -547,13 +559,33 @@ void bench_nccl_rank(int rank, Bootstrap& bootstrap, Collective collective,
 
 bool run_collective(Collective collective, int world, const std::vector<BucketCase>& cases,
                     const Args& args) {
-  std::printf("\n# %s, W=%d ranks as processes (%d timed runs, median of the slowest rank)\n",
+  std::printf("\n# %s, W=%d ranks as %s (%d timed runs, median of the slowest rank)\n",
               collective == Collective::kAllGather ? "TIDE-AG (fp32 shards -> bf16 params)"
                                                    : "TIDE-RS (bf16 grads -> fp32 shards, avg)",
-              world, args.iters);
+              world, args.threads ? "threads of one process" : "processes", args.iters);
   print_collective_header();
-  return fork_ranks(world, [&](int rank, Bootstrap& b) {
-    bench_collective_rank(rank, b, collective, cases, args);
+  if (!args.threads)
+    return fork_ranks(world, [&](int rank, Bootstrap& b) {
+      bench_collective_rank(rank, b, collective, cases, args);
+    });
+  return run_single_child([&] {
+    auto rendezvous = make_thread_rendezvous(world);
+    std::vector<std::string> errors(world);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < world; ++rank)
+      ranks.emplace_back([&, rank] {
+        ranks_are_threads = true;
+        try {
+          ThreadBootstrap bootstrap(rendezvous, rank, 300000ms);
+          bench_collective_rank(rank, bootstrap, collective, cases, args);
+        } catch (const std::exception& e) {
+          errors[rank] = e.what();
+        }
+      });
+    for (std::thread& t : ranks) t.join();
+    for (int rank = 0; rank < world; ++rank)
+      if (!errors[rank].empty())
+        throw std::runtime_error("rank " + std::to_string(rank) + ": " + errors[rank]);
   });
 }
 
@@ -1083,9 +1115,6 @@ bool run_interference(const Args& args) {
 
 // ---- Driver. --------------------------------------------------------------------------------
 
-bool run_single_child(const std::function<void()>& body) {
-  return fork_ranks(1, [&](int, Bootstrap&) { body(); });
-}
 
 void print_summary() {
   const std::vector<Row> rows = read_rows();
@@ -1127,6 +1156,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--nodes") args.nodes = std::stoi(value());
     else if (a == "--chunk-mib") args.chunk_mib = std::stoul(value());
     else if (a == "--network") args.network = value();
+    else if (a == "--threads") args.threads = true;
     else throw std::runtime_error("unknown option " + a + " (see the comment atop bench_cuda.cpp)");
   }
   (void)results_path();  // created here, before any fork, so every child appends to the same file

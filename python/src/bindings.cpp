@@ -238,16 +238,18 @@ NB_MODULE(_tide, m) {
   m.def("cuda_device_available", &cuda_device_available);
   m.def("cuda_device_count", &cuda_device_count);
   nb::enum_<CudaMemory>(m, "CudaMemory").value("malloc", CudaMemory::kMalloc).value("vmm", CudaMemory::kVmm);
+  nb::enum_<CudaReach>(m, "CudaReach").value("node", CudaReach::kNode).value("host", CudaReach::kHost);
   nb::class_<CudaWindow>(m, "CudaWindow")
       .def_static("create",
                   [](Bootstrap& b, std::size_t data_bytes, std::optional<Topology> topology,
-                     CudaMemory memory) {
+                     CudaMemory memory, CudaReach reach) {
                     return CudaWindow::create(b, data_bytes,
                                               topology ? *topology : Topology::single_node(b.world()),
-                                              memory);
+                                              memory, reach);
                   },
                   "bootstrap"_a, "data_bytes"_a, "topology"_a = nb::none(),
-                  "memory"_a = CudaMemory::kMalloc, nb::call_guard<nb::gil_scoped_release>())
+                  "memory"_a = CudaMemory::kMalloc, "reach"_a = CudaReach::kNode,
+                  nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("rank", &CudaWindow::rank)
       .def_prop_ro("world", &CudaWindow::world)
       .def_prop_ro("device", &CudaWindow::device)
@@ -265,6 +267,8 @@ NB_MODULE(_tide, m) {
   nb::class_<CudaExecutor::Stats>(m, "CudaStats")
       .def_ro("cast_cta_us", &CudaExecutor::Stats::cast_cta_us)
       .def_ro("reduce_cta_us", &CudaExecutor::Stats::reduce_cta_us)
+      .def_ro("network_cta_us", &CudaExecutor::Stats::network_cta_us)
+      .def_ro("network_groups", &CudaExecutor::Stats::network_groups)
       .def_ro("copies", &CudaExecutor::Stats::copies)
       .def_ro("kernel_launches", &CudaExecutor::Stats::kernel_launches);
   nb::class_<CudaExecutor>(m, "CudaExecutor")

@@ -28,11 +28,12 @@ FSDP2's all-gather stream and the reduce-scatter on its reduce-scatter stream, o
 All ranks of a group must be processes on one host.
 
 Across nodes (``enable(..., ranks_per_node=N)``): groups spanning several nodes run TIDE's
-across-node programs; on CPU over the host executor's host transport (virtual nodes on one
-machine, as CI tests them). Windows then hold the reduce-scatter's staging too.
+across-node programs, between virtual nodes of one host: on CPU over the host executor's host
+transport (as CI tests them), on CUDA over CUDA IPC (windows mapped by every rank, the receiver's
+kernel pulling from the sender's window). Windows then hold the reduce-scatter's staging too.
 
-Not handled (such buckets fall back to stock FSDP2, with one log line saying why): ranks on several
-hosts or nodes (CUDA), world size 1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
+Not handled (such buckets fall back to stock FSDP2, with one log line saying why): CUDA ranks on
+several hosts (NCCL is not wired into tide.fsdp), world size 1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
 tensor-subclass extensions (``fsdp_pre_all_gather``), DTensor parameters (TP/EP), non-dim-0
 placements, dtypes other than fp32/bf16/fp16. A reduce-scatter with an fp16 reduce dtype
 (pre-divide) runs stock for that call. Gradients larger than a pool window (accumulated in an fp32
@@ -155,8 +156,9 @@ class _WindowPool:
     window (a collective) is created by all ranks together. On CUDA the windows are VMM windows
     (their data can be mapped at each bucket's fixed address)."""
 
-    def __init__(self, group, slot_bytes: int, timeout_ms, name: str, device: torch.device):
+    def __init__(self, group, slot_bytes: int, timeout_ms, name: str, device: torch.device, topology):
         self.group, self.slot_bytes, self.timeout_ms, self.device = group, slot_bytes, timeout_ms, device
+        self.topology = topology
         self.name = name
         self.bootstrap = store_bootstrap(group, name)
         self.wide: dict = {}  # window bytes -> _WindowPool, for reduce-scatters that outgrow a slot
@@ -170,7 +172,11 @@ class _WindowPool:
         if self.free:
             return self.free.pop()
         if self.device.type == "cuda":
-            window = _tide.CudaWindow.create(self.bootstrap, self.slot_bytes, None, _tide.CudaMemory.vmm)
+            # Virtual nodes (every rank on this host): every rank's window is mapped, and the
+            # network steps between nodes run over CUDA IPC.
+            reach = _tide.CudaReach.host if self.topology.nodes > 1 else _tide.CudaReach.node
+            window = _tide.CudaWindow.create(self.bootstrap, self.slot_bytes, self.topology,
+                                             _tide.CudaMemory.vmm, reach)
             executor = _tide.CudaExecutor(window, torch.cuda.current_stream(self.device).cuda_stream,
                                           self.timeout_ms)
         else:
@@ -192,7 +198,7 @@ class _WindowPool:
         pool = self.wide.get(window_bytes)
         if pool is None:
             pool = _WindowPool(self.group, window_bytes, self.timeout_ms,
-                               f"{self.name}/wide/{window_bytes}", self.device)
+                               f"{self.name}/wide/{window_bytes}", self.device, self.topology)
             pool.stats_enabled = self.stats_enabled
             self.wide[window_bytes] = pool
         return pool
@@ -573,11 +579,10 @@ def _bucket_fallback_reason(param_group, group, topology) -> str:
     if param_group.device.type == "cuda":
         if not _tide.cuda_built:
             return "device cuda: this build of TIDE has no CUDA transport (built without nvcc)"
-        if topology.nodes > 1:
-            return ("across nodes on CUDA devices: not built in tide.fsdp yet (the C++ NCCL "
-                    "transport and tide.distributed.nccl_comm are)")
         if not _one_host(group):
-            return "ranks on several hosts: tide.fsdp across nodes is not built yet (C++ only)"
+            return ("ranks on several hosts: tide.fsdp on CUDA reaches other hosts only through "
+                    "NCCL, which it does not wire in yet (the C++ NCCL transport and "
+                    "tide.distributed.nccl_comm exist)")
     elif param_group.device.type != "cpu":
         return f"device {param_group.device}: TIDE runs on CPU and CUDA devices"
     if getattr(param_group, "_use_post_forward_mesh", False):
@@ -625,10 +630,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
 
     ranks_per_node: declares nodes of that many consecutive global ranks; groups that span several
     run TIDE's across-node programs (recursive-doubling all-gather, two-phase reduce-scatter)
-    between them, with `net` (a tide.NetOptions) pacing the network steps. On CPU the host
-    executor carries those steps over its host transport, so one machine can be several virtual
-    nodes; on CUDA devices such groups fall back (not built in tide.fsdp yet). Default: every
-    group is one node."""
+    between them, with `net` (a tide.NetOptions) pacing the network steps. The nodes are virtual
+    nodes of one host: on CPU the host executor carries those steps over its host transport, on
+    CUDA the CUDA executor over CUDA IPC; CUDA groups across hosts fall back (NCCL is not wired
+    into tide.fsdp yet). Default: every group is one node."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"tide.fsdp.enable: module is {type(module).__name__}, expected an nn.Module")
     if id(module) in _enabled:
@@ -676,7 +681,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         for members in _size_classes(buckets):
             name = f"tide/pool/{'-'.join(map(str, ranks))}/{members[0].id}"
             pool = _WindowPool(members[0].group, max(b.window_bytes for b in members), timeout_ms,
-                               name, members[0].param_group.device)
+                               name, members[0].param_group.device, members[0].layout.topology)
             result.pools.append(pool)
             for b in members:
                 b.attach(pool)

@@ -106,8 +106,8 @@ SCENARIOS = {
     "hsdp_2x2": ((4,), {"hsdp": True}),
     # A process-group object per layer over the same ranks (as FSDP2 can make): pools still shared.
     "group_per_layer": ((2, 3), {"group_per_layer": True}),
-    # Virtual nodes (CPU): across-node programs between nodes of ranks_per_node ranks.
-    "virtual_nodes": ((3, 4), {"ranks_per_node": 1, "net": 256}),
+    # Virtual nodes: across-node programs between nodes of ranks_per_node ranks (CUDA: over IPC).
+    "virtual_nodes": ((2, 3, 4), {"ranks_per_node": 1, "net": 256}),
     "virtual_nodes_2x2": ((4,), {"ranks_per_node": 2, "net": 512}),
     "virtual_nodes_bf16": ((4,), {"ranks_per_node": 2, "net": 512, "mp": (torch.bfloat16, torch.float32)}),
     # Nodes of 3 ranks at W = 4: 3 + 1 ranks, not a nodes x local grid: every group falls back.
@@ -247,8 +247,7 @@ def _free_port():
 def run_world(world: int, device_type: str = "cpu") -> dict:
     """Runs every scenario that applies to `world` on `device_type` ("cpu" or "cuda"); returns
     {scenario: [result per rank]}."""
-    names = [n for n, (worlds, opts) in SCENARIOS.items()  # across nodes: CPU only (CUDA falls back)
-             if world in worlds and (device_type == "cpu" or "ranks_per_node" not in opts)]
+    names = [n for n, (worlds, opts) in SCENARIOS.items() if world in worlds]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world, _free_port(), names, out_dir, device_type), nprocs=world,
                            join=True, start_method="spawn")

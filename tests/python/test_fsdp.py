@@ -1,5 +1,5 @@
 """tide.fsdp inside real FSDP2 training, TIDE on vs off: on CPU (gloo) at W = 2, 3, 4, and with
-W = 2, 3 ranks as processes sharing a GPU (gloo as FSDP2's process group, TIDE's CUDA transport;
+W = 2, 3, 4 ranks as processes sharing a GPU (gloo as FSDP2's process group, TIDE's CUDA transport;
 skipped without a GPU). The same scenarios and tolerances on both devices (on the GPU with
 deterministic algorithms, so that compute is identical run to run).
 
@@ -28,7 +28,7 @@ def _on_gpu(world):
 
 
 @pytest.fixture(scope="module", params=[pytest.param(("cpu", w), id=f"cpu-W{w}") for w in (2, 3, 4)]
-                + [_on_gpu(2), _on_gpu(3)])
+                + [_on_gpu(2), _on_gpu(3), _on_gpu(4)])
 def world_results(request):
     device, world = request.param
     return world, h.run_world(world, device)
