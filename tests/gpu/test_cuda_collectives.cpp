@@ -329,7 +329,7 @@ TEST(CudaCollectives, AcrossNodesOverNccl) {
 
 // Virtual nodes on one GPU (issue 6's one-GPU check): ranks as processes sharing GPU 0 (all GPUs
 // where several exist), windows mapped by every rank, network ops over CUDA IPC. The shapes of
-// the CPU suite (W = 8 as 2x4, 4x2, 8x1; W = 6 as 3x2; W = 12 as 3x4) and both reduce-scatter
+// the CPU suite (W = 8 as 2x4, 4x2, 8x1; W = 6 as 3x2; W = 12 as 3x4; W = 2 as 2x1) and both reduce-scatter
 // algorithms, small chunks and pacing so each bucket takes many network steps: bitwise equal to
 // the host executor running the same programs over its host transport, and within 1e-6 of fp64.
 TEST(CudaCollectives, VirtualNodesOverIpc) {
@@ -344,7 +344,10 @@ TEST(CudaCollectives, VirtualNodesOverIpc) {
                              Shape{4, 2, NetOptions{1024, 4, 3, true}},
                              Shape{8, 1, NetOptions{2048, 1, 2, false}},
                              Shape{3, 2, NetOptions{4096, 2, 2, true}},
-                             Shape{3, 4, NetOptions{}}}) {
+                             Shape{3, 4, NetOptions{}},
+                             // 256 B chunks: one network group carries more sends to a peer
+                             // than a mailbox holds (kNetQueueDepth)
+                             Shape{2, 1, NetOptions{256, 4, 2, false}}}) {
     const int world = shape.nodes * shape.local;
     Scenario s{random_specs(rng, world, 4, 1 << 14),
                world,
@@ -361,7 +364,7 @@ TEST(CudaCollectives, VirtualNodesOverIpc) {
     run_and_check(s);
     ++cases;
   }
-  EXPECT_EQ(cases, 5);
+  EXPECT_EQ(cases, 6);
 }
 
 // VMM windows (cuMemCreate, descriptors passed between processes): the same collectives, bitwise.

@@ -129,8 +129,8 @@ struct CudaExecutor::Impl {
   NcclComm* network;
   const cuda_detail::DriverApi& api;
   cudaStream_t net_stream = nullptr;   // created at the first multi-node program
-  // IPC network: a group's receives from its second, third... peer run on these, so a receive
-  // never waits behind another peer's (NCCL runs a group's transfers concurrently too).
+  // IPC network: a group's transfers with its second, third... peer run on these, so none waits
+  // behind another peer's (NCCL runs a group's transfers concurrently too).
   std::vector<cudaStream_t> peer_streams;
   cudaEvent_t net_ready = nullptr;     // the compute stream's position at a group's last op
   std::mutex net_mutex;                // NCCL calls on `network` vs the watchdog's abort
@@ -363,85 +363,87 @@ struct CudaExecutor::Impl {
                                            CU_STREAM_WRITE_VALUE_DEFAULT));
   }
 
-  // One group over CUDA IPC (window.reach() == kHost). Sends are posted first, on the network
-  // stream, without waiting for the receivers (room in the mailbox aside); each peer's receives
-  // then run in order on a stream of their own, so no receive waits behind another peer's; the
-  // group ends once its receives are done and its sends taken: NCCL's group semantics, which the
-  // planner's schedules are checked against (simulate_groups).
+  // One group over CUDA IPC (window.reach() == kHost). Each peer's sends and receives run in
+  // program order on a stream of their own (the first peer's on the network stream, the others'
+  // forked from it), so no transfer waits behind another peer's, and a send past the mailbox's
+  // depth waits only for that peer to receive; the group ends once they all have and its sends
+  // are taken. This is NCCL's group semantics (simulate_groups checks the schedules against it)
+  // with the plan's per-peer order and queue depth (verify_programs checks those).
   void issue_ipc_group(const net::NetGroup& group, const Program& program,
                        const std::function<std::byte*(const Address&)>& resolve, uint64_t epoch,
                        uint64_t tag, Phase phase) {
     const int rank = window.rank();
+    auto peer_of = [&](std::size_t i) {
+      const Step& step = program.steps[i];
+      const auto* send = std::get_if<NetSendOp>(&step.op);
+      return send ? send->peer : std::get<NetRecvOp>(step.op).peer;
+    };
+    std::vector<int> peers;  // distinct, in order of first appearance
+    for (std::size_t i : group.ops)
+      if (std::find(peers.begin(), peers.end(), peer_of(i)) == peers.end()) peers.push_back(peer_of(i));
+    while (peer_streams.size() + 1 < peers.size()) {
+      cudaStream_t s = nullptr;
+      TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      peer_streams.push_back(s);
+    }
     struct Posted {
       int channel, peer;
       uint64_t seq;
       std::size_t bytes;
     };
     std::vector<Posted> sends;
-    std::vector<int> receive_peers;  // distinct, in order of first receive
-    for (std::size_t i : group.ops) {
-      const Step& step = program.steps[i];
-      if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
-        if (std::find(receive_peers.begin(), receive_peers.end(), recv->peer) == receive_peers.end())
-          receive_peers.push_back(recv->peer);
-        continue;
-      }
-      const auto& send = std::get<NetSendOp>(step.op);
-      const uint64_t k = window.next_net_send(send.channel, send.peer);
-      const NetOutbox* own = window.mailbox(rank, send.channel, send.peer);
-      if (k > static_cast<uint64_t>(kNetQueueDepth))
-        enqueue_mailbox_wait(net_stream, own,
-                             {{const_cast<uint64_t*>(&own->taken), k - kNetQueueDepth, false}},
-                             detail::concat("room in the mailbox of rank ", send.peer,
-                                            " for net send #", k),
-                             send.peer, 0, send.bytes, epoch, tag, phase);
-      NetOutbox* theirs = window.mailbox(send.peer, send.channel, rank);
-      NetEntry& entry = theirs->entries[(k - 1) % kNetQueueDepth];
-      write_word(net_stream, &entry.epoch, epoch);
-      write_word(net_stream, &entry.tag, tag);
-      write_word(net_stream, &entry.offset, send.src.offset);
-      write_word(net_stream, &entry.bytes, send.bytes);
-      write_word(net_stream, &theirs->posted, k);  // after a barrier: the entry is visible first
-      sends.push_back({send.channel, send.peer, k, send.bytes});
-    }
-    // Each distinct receiving peer after the first gets a stream forked from the network stream.
-    while (peer_streams.size() + 1 < receive_peers.size()) {
-      cudaStream_t s = nullptr;
-      TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      peer_streams.push_back(s);
-    }
     std::vector<cudaEvent_t> joins;
     cudaEvent_t fork = nullptr;
-    if (receive_peers.size() > 1) {
+    if (peers.size() > 1) {
       fork = take_event();
       TIDE_CUDA_CHECK(cudaEventRecord(fork, net_stream));
     }
-    for (std::size_t p = 0; p < receive_peers.size(); ++p) {
+    for (std::size_t p = 0; p < peers.size(); ++p) {
       cudaStream_t on = p == 0 ? net_stream : peer_streams[p - 1];
       if (p > 0) {
         use_stream(on);
         TIDE_CUDA_CHECK(cudaStreamWaitEvent(on, fork, 0));
       }
       for (std::size_t i : group.ops) {
-        const auto* recv = std::get_if<NetRecvOp>(&program.steps[i].op);
-        if (!recv || recv->peer != receive_peers[p]) continue;
-        const uint64_t k = window.next_net_receive(recv->channel, recv->peer);
-        NetOutbox* own = window.mailbox(rank, recv->channel, recv->peer);
+        if (peer_of(i) != peers[p]) continue;
+        const Step& step = program.steps[i];
+        if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
+          const uint64_t k = window.next_net_send(send->channel, send->peer);
+          const NetOutbox* own = window.mailbox(rank, send->channel, send->peer);
+          if (k > static_cast<uint64_t>(kNetQueueDepth))
+            enqueue_mailbox_wait(on, own,
+                                 {{const_cast<uint64_t*>(&own->taken), k - kNetQueueDepth, false}},
+                                 detail::concat("room in the mailbox of rank ", send->peer,
+                                                " for net send #", k),
+                                 send->peer, 0, send->bytes, epoch, tag, phase);
+          NetOutbox* theirs = window.mailbox(send->peer, send->channel, rank);
+          NetEntry& entry = theirs->entries[(k - 1) % kNetQueueDepth];
+          write_word(on, &entry.epoch, epoch);
+          write_word(on, &entry.tag, tag);
+          write_word(on, &entry.offset, send->src.offset);
+          write_word(on, &entry.bytes, send->bytes);
+          write_word(on, &theirs->posted, k);  // after a barrier: the entry is visible first
+          sends.push_back({send->channel, send->peer, k, send->bytes});
+          continue;
+        }
+        const auto& recv = std::get<NetRecvOp>(step.op);
+        const uint64_t k = window.next_net_receive(recv.channel, recv.peer);
+        NetOutbox* own = window.mailbox(rank, recv.channel, recv.peer);
         NetEntry& entry = own->entries[(k - 1) % kNetQueueDepth];
         enqueue_mailbox_wait(on, own,
                              {{&own->posted, k, false},
                               {&entry.epoch, epoch, true},
                               {&entry.tag, tag, true},
-                              {&entry.bytes, recv->bytes, true}},
-                             detail::concat("net receive #", k, " (", recv->bytes,
-                                            " B) from rank ", recv->peer),
-                             recv->peer, k, recv->bytes, epoch, tag, phase);
+                              {&entry.bytes, recv.bytes, true}},
+                             detail::concat("net receive #", k, " (", recv.bytes, " B) from rank ",
+                                            recv.peer),
+                             recv.peer, k, recv.bytes, epoch, tag, phase);
         launch_timed(KernelKind::kNetPull, on, [&] {
-          return cuda_kernels::launch_net_pull(&entry.offset, window.data(recv->peer),
-                                               resolve(recv->dst), recv->bytes,
-                                               window.data_bytes(), on);
+          return cuda_kernels::launch_net_pull(&entry.offset, window.data(recv.peer),
+                                               resolve(recv.dst), recv.bytes, window.data_bytes(),
+                                               on);
         });
-        write_word(on, &window.mailbox(recv->peer, recv->channel, rank)->taken, k);
+        write_word(on, &window.mailbox(recv.peer, recv.channel, rank)->taken, k);
       }
       if (p > 0) {
         joins.push_back(take_event());
