@@ -25,15 +25,17 @@ On CUDA devices the windows are VMM windows (cuMemCreate; peers map each other's
 descriptors passed between the rank processes) and each bucket's fixed address is a reserved
 device address range (CudaAddressRange) the current slot is mapped into; the all-gather runs on
 FSDP2's all-gather stream and the reduce-scatter on its reduce-scatter stream, ordered by events.
-All ranks of a group must be processes on one host.
+The ranks of a node must be processes on one host.
 
-Across nodes (``enable(..., ranks_per_node=N)``): groups spanning several nodes run TIDE's
-across-node programs, between virtual nodes of one host: on CPU over the host executor's host
-transport (as CI tests them), on CUDA over CUDA IPC (windows mapped by every rank, the receiver's
-kernel pulling from the sender's window). Windows then hold the reduce-scatter's staging too.
+Across nodes (``enable(..., ranks_per_node=N, network=...)``): groups spanning several nodes run
+TIDE's across-node programs. On CPU over the host executor's host transport (virtual nodes of one
+host, as CI tests them); on CUDA over CUDA IPC when every rank is on this host (windows mapped by
+every rank, the receiver's kernel pulling from the sender's window) or NCCL (a communicator per
+pooled window; not run on a GPU yet). Windows then hold the reduce-scatter's staging too.
 
-Not handled (such buckets fall back to stock FSDP2, with one log line saying why): CUDA ranks on
-several hosts (NCCL is not wired into tide.fsdp), world size 1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
+Not handled (such buckets fall back to stock FSDP2, with one log line saying why): ranks on
+several hosts without ranks_per_node, a node whose ranks are on several hosts, CPU ranks on
+several hosts, NCCL with ranks sharing a GPU, world size 1, ``reshard_after_forward`` as an int (post-forward resharding to a smaller mesh), CPU offload,
 tensor-subclass extensions (``fsdp_pre_all_gather``), DTensor parameters (TP/EP), non-dim-0
 placements, dtypes other than fp32/bf16/fp16. A reduce-scatter with an fp16 reduce dtype
 (pre-divide) runs stock for that call. Gradients larger than a pool window (accumulated in an fp32
@@ -156,9 +158,10 @@ class _WindowPool:
     window (a collective) is created by all ranks together. On CUDA the windows are VMM windows
     (their data can be mapped at each bucket's fixed address)."""
 
-    def __init__(self, group, slot_bytes: int, timeout_ms, name: str, device: torch.device, topology):
+    def __init__(self, group, slot_bytes: int, timeout_ms, name: str, device: torch.device, topology,
+                 transport):
         self.group, self.slot_bytes, self.timeout_ms, self.device = group, slot_bytes, timeout_ms, device
-        self.topology = topology
+        self.topology, self.transport = topology, transport  # transport: see _transport
         self.name = name
         self.bootstrap = store_bootstrap(group, name)
         self.wide: dict = {}  # window bytes -> _WindowPool, for reduce-scatters that outgrow a slot
@@ -172,13 +175,15 @@ class _WindowPool:
         if self.free:
             return self.free.pop()
         if self.device.type == "cuda":
-            # Virtual nodes (every rank on this host): every rank's window is mapped, and the
-            # network steps between nodes run over CUDA IPC.
-            reach = _tide.CudaReach.host if self.topology.nodes > 1 else _tide.CudaReach.node
+            # IPC between nodes: every rank's window is mapped (all on this host). NCCL: a
+            # communicator per window, since windows can have an all-gather and a reduce-scatter
+            # in flight at once and NCCL needs one order of operations per communicator.
+            comm = _tide.NcclComm.create(self.bootstrap) if self.transport == "nccl" else None
+            reach = _tide.CudaReach.host if self.transport == "ipc" else _tide.CudaReach.node
             window = _tide.CudaWindow.create(self.bootstrap, self.slot_bytes, self.topology,
                                              _tide.CudaMemory.vmm, reach)
             executor = _tide.CudaExecutor(window, torch.cuda.current_stream(self.device).cuda_stream,
-                                          self.timeout_ms)
+                                          self.timeout_ms, comm)
         else:
             window = _tide.HostWindow.create(self.bootstrap, self.slot_bytes)
             executor = _tide.HostExecutor(window, self.timeout_ms)
@@ -198,7 +203,8 @@ class _WindowPool:
         pool = self.wide.get(window_bytes)
         if pool is None:
             pool = _WindowPool(self.group, window_bytes, self.timeout_ms,
-                               f"{self.name}/wide/{window_bytes}", self.device, self.topology)
+                               f"{self.name}/wide/{window_bytes}", self.device, self.topology,
+                               self.transport)
             pool.stats_enabled = self.stats_enabled
             self.wide[window_bytes] = pool
         return pool
@@ -541,20 +547,58 @@ _enabled: dict = {}  # id(module) -> TideFSDP
 _bucket_ids = itertools.count()
 
 
-_one_host_cache: dict = {}
+NETWORKS = ("auto", "ipc", "nccl")
+
+_placement_cache: dict = {}
 
 
-def _one_host(group) -> bool:
-    """Whether every rank of `group` runs on this host (CUDA windows map peers' GPU memory; across
-    hosts that needs the network transport). Asked once per group, over the store."""
+def _placements(group, device: torch.device) -> list:
+    """(host name, GPU uuid or "") of every rank of `group`, in group-rank order: where windows can
+    be mapped (one host) and whether NCCL can run (one rank per GPU). Asked once per group and
+    device type, over the store."""
     ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _one_host_cache:
+    cache_key = (ranks, device.type)
+    if cache_key not in _placement_cache:
+        gpu = ""
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            gpu = str(getattr(props, "uuid", "")) or f"{props.name}#{props.pci_bus_id}"
         store = dist.distributed_c10d._get_default_store()
-        key = f"tide/hosts/{'-'.join(map(str, ranks))}"  # asked once per group and process
-        store.set(f"{key}/{group.rank()}", socket.gethostname())
-        hosts = {store.get(f"{key}/{q}") for q in range(group.size())}
-        _one_host_cache[ranks] = len(hosts) == 1
-    return _one_host_cache[ranks]
+        key = f"tide/placement/{device.type}/{'-'.join(map(str, ranks))}"  # once per group and process
+        store.set(f"{key}/{group.rank()}", f"{socket.gethostname()}|{gpu}")
+        _placement_cache[cache_key] = [tuple(store.get(f"{key}/{q}").decode().split("|", 1))
+                                       for q in range(group.size())]
+    return _placement_cache[cache_key]
+
+
+def _transport(group, device: torch.device, topology, network: str):
+    """(transport between the group's nodes, "") or (None, why the group falls back). The transport
+    is None for one node, "host" (CPU: the host executor's), "ipc" (CUDA IPC, every rank on this
+    host) or "nccl" (one communicator per window, node-local work still by CUDA IPC)."""
+    placements = _placements(group, device)
+    hosts = [h for h, _ in placements]
+    one_host = len(set(hosts)) == 1
+    if topology.nodes == 1:
+        if not one_host:
+            return None, (f"ranks on several hosts ({', '.join(sorted(set(hosts)))}) as one node: "
+                          "declare the nodes with enable(ranks_per_node=...), e.g. LOCAL_WORLD_SIZE")
+        return None, ""
+    for n in range(topology.nodes):
+        node_hosts = set(hosts[n * topology.local:(n + 1) * topology.local])
+        if len(node_hosts) > 1:
+            return None, f"node {n}'s ranks are on several hosts ({', '.join(sorted(node_hosts))})"
+    if device.type == "cpu":
+        if network == "nccl":
+            return None, "network='nccl' on CPU devices (their network is TIDE's host transport)"
+        if not one_host:
+            return None, "CPU ranks on several hosts (the host transport needs them on one host)"
+        return "host", ""
+    transport = ("ipc" if one_host else "nccl") if network == "auto" else network
+    if transport == "ipc" and not one_host:
+        return None, "network='ipc' needs every rank of the group on this host"
+    if transport == "nccl" and len({g for _, g in placements}) < len(placements):
+        return None, "network='nccl' with ranks sharing a GPU (NCCL refuses two ranks on one GPU)"
+    return transport, ""
 
 
 def _group_topology(group, ranks_per_node):
@@ -573,16 +617,12 @@ def _group_topology(group, ranks_per_node):
     return _tide.Topology(len(distinct), local), ""
 
 
-def _bucket_fallback_reason(param_group, group, topology) -> str:
+def _bucket_fallback_reason(param_group, group) -> str:
     if group is None or group.size() <= 1:
         return "world size 1 (nothing to communicate)"
     if param_group.device.type == "cuda":
         if not _tide.cuda_built:
             return "device cuda: this build of TIDE has no CUDA transport (built without nvcc)"
-        if not _one_host(group):
-            return ("ranks on several hosts: tide.fsdp on CUDA reaches other hosts only through "
-                    "NCCL, which it does not wire in yet (the C++ NCCL transport and "
-                    "tide.distributed.nccl_comm exist)")
     elif param_group.device.type != "cpu":
         return f"device {param_group.device}: TIDE runs on CPU and CUDA devices"
     if getattr(param_group, "_use_post_forward_mesh", False):
@@ -624,16 +664,19 @@ def _size_classes(buckets: list) -> list:
 
 
 def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_node: int | None = None,
-           net=None) -> TideFSDP:
+           net=None, network: str = "auto") -> TideFSDP:
     """Turns TIDE on for every FSDP2 param group under `module` (call after ``fully_shard``, with the
     model sharded: before the first step or between steps). Returns what was handled.
 
     ranks_per_node: declares nodes of that many consecutive global ranks; groups that span several
     run TIDE's across-node programs (recursive-doubling all-gather, two-phase reduce-scatter)
-    between them, with `net` (a tide.NetOptions) pacing the network steps. The nodes are virtual
-    nodes of one host: on CPU the host executor carries those steps over its host transport, on
-    CUDA the CUDA executor over CUDA IPC; CUDA groups across hosts fall back (NCCL is not wired
-    into tide.fsdp yet). Default: every group is one node."""
+    between them, with `net` (a tide.NetOptions) pacing the network steps. Default: every group is
+    one node (its ranks must then be on one host).
+
+    network: what carries those steps on CUDA devices. "auto" (default): CUDA IPC when every rank
+    of the group is on this host (virtual nodes), else NCCL; "ipc"; "nccl" (a communicator per
+    pooled window, one rank per GPU). On CPU the host executor's host transport carries them
+    (virtual nodes of one host; "nccl" falls back)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"tide.fsdp.enable: module is {type(module).__name__}, expected an nn.Module")
     if id(module) in _enabled:
@@ -645,6 +688,8 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     if net is not None and not isinstance(net, _tide.NetOptions):
         raise TypeError(f"tide.fsdp.enable: net is {type(net).__name__}, expected tide.NetOptions")
     net = net if net is not None else _tide.NetOptions()
+    if network not in NETWORKS:
+        raise ValueError(f"tide.fsdp.enable: network = {network!r}, expected one of {NETWORKS}")
     groups = _param_groups(module)
     if not groups:
         raise ValueError("tide.fsdp.enable: no FSDP2 param groups under this module; call "
@@ -661,8 +706,11 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
                 raise ValueError(f"tide.fsdp.enable: param group {fqn} is {fp.sharded_state}; "
                                  "enable TIDE while the model is sharded (outside forward/backward)")
         group = getattr(pg, "_all_gather_process_group", None) if hasattr(pg, "mesh_info") else None
-        topology, reason = (None, "") if group is None else _group_topology(group, ranks_per_node)
-        reason = reason or _bucket_fallback_reason(pg, group, topology)
+        topology, transport, reason = None, None, _bucket_fallback_reason(pg, group)
+        if not reason:
+            topology, reason = _group_topology(group, ranks_per_node)
+        if not reason:
+            transport, reason = _transport(group, pg.device, topology, network)
         if reason:
             result.fallbacks.append((fqn, reason))
             log.warning("tide.fsdp: param group %s falls back to stock FSDP2: %s", fqn, reason)
@@ -675,13 +723,15 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         # FSDP2 may give each param group its own process-group object over the same ranks; TIDE
         # talks through windows, not the group, so those buckets share pools.
         key = (tuple(dist.get_process_group_ranks(group)), str(pg.device))
-        by_ranks.setdefault(key, []).append(bucket)
+        by_ranks.setdefault(key, []).append((bucket, transport))
         result.buckets.append(bucket)
-    for (ranks, _), buckets in by_ranks.items():
-        for members in _size_classes(buckets):
+    for (ranks, _), entries in by_ranks.items():
+        transport = entries[0][1]  # a function of the ranks and the device: the same for all
+        for members in _size_classes([b for b, _ in entries]):
             name = f"tide/pool/{'-'.join(map(str, ranks))}/{members[0].id}"
             pool = _WindowPool(members[0].group, max(b.window_bytes for b in members), timeout_ms,
-                               name, members[0].param_group.device, members[0].layout.topology)
+                               name, members[0].param_group.device, members[0].layout.topology,
+                               transport)
             result.pools.append(pool)
             for b in members:
                 b.attach(pool)

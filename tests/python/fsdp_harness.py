@@ -110,6 +110,9 @@ SCENARIOS = {
     "virtual_nodes": ((2, 3, 4), {"ranks_per_node": 1, "net": 256}),
     "virtual_nodes_2x2": ((4,), {"ranks_per_node": 2, "net": 512}),
     "virtual_nodes_bf16": ((4,), {"ranks_per_node": 2, "net": 512, "mp": (torch.bfloat16, torch.float32)}),
+    # NCCL between the nodes: with one GPU per rank it runs (CUDA on several GPUs); ranks sharing a
+    # GPU (NCCL refuses them) and CPU (its network is the host transport) fall back.
+    "nccl_network": ((2,), {"ranks_per_node": 1, "net": 4096, "network": "nccl"}),
     # Nodes of 3 ranks at W = 4: 3 + 1 ranks, not a nodes x local grid: every group falls back.
     "uneven_nodes": ((4,), {"ranks_per_node": 3, "net": 512}),
 }
@@ -192,7 +195,8 @@ def run_scenario(opts, world, device):
         kwargs = {}
         if "ranks_per_node" in opts:  # small network chunks: many network steps per bucket
             kwargs = {"ranks_per_node": opts["ranks_per_node"],
-                      "net": tide.NetOptions(chunk_bytes=opts["net"], max_chunks_in_flight=2, ring_depth=2)}
+                      "net": tide.NetOptions(chunk_bytes=opts["net"], max_chunks_in_flight=2, ring_depth=2),
+                      "network": opts.get("network", "auto")}
         handle = tide.fsdp.enable(model, **kwargs)
         params, ops = train(model, opts, device)
         runs.append((params, ops, handle))
@@ -213,6 +217,9 @@ def run_scenario(opts, world, device):
         "wide_windows": sum(len(w.slots) for p in handle.pools for w in p.wide.values()),
         "param_groups": len(handle.buckets) + len(handle.fallbacks),
         "nodes": sorted({b.layout.topology.nodes for b in handle.buckets}),
+        "transports": sorted({str(p.transport) for p in handle.pools}),
+        "ranks_share_gpus": device.type == "cuda" and world > torch.cuda.device_count(),
+        "device_type": device.type,
     }
 
 

@@ -99,6 +99,10 @@ def test_virtual_nodes_run_across_node_programs(world_results):
     for name, opts, per_rank in _cases(world_results):
         if "ranks_per_node" in opts and not per_rank[0]["fallbacks"]:
             assert per_rank[0]["nodes"] == [world // opts["ranks_per_node"]], (name, per_rank[0]["nodes"])
+            # What carries the network steps: the host transport on CPU; on one host's GPUs CUDA
+            # IPC unless NCCL is asked for.
+            expected = "host" if per_rank[0]["device_type"] == "cpu" else opts.get("network", "ipc")
+            assert per_rank[0]["transports"] == [expected], (name, per_rank[0]["transports"])
         else:
             assert per_rank[0]["nodes"] in ([1], []), (name, per_rank[0]["nodes"])
 
@@ -109,6 +113,9 @@ def test_fallbacks_are_reported(world_results):
         r = per_rank[0]
         if isinstance(opts.get("reshard"), int) and not isinstance(opts.get("reshard"), bool):
             assert any("reshard_after_forward as an int" in f for f in r["fallbacks"]), r["fallbacks"]
+        elif opts.get("network") == "nccl" and (r["device_type"] == "cpu" or r["ranks_share_gpus"]):
+            assert r["buckets"] == 0 and r["fallbacks"] and all(
+                "network='nccl'" in f for f in r["fallbacks"]), r["fallbacks"]
         elif opts.get("ranks_per_node") == 3:
             assert r["buckets"] == 0 and r["fallbacks"] and all(
                 "not node-major with as many on every node" in f for f in r["fallbacks"]), r["fallbacks"]
@@ -121,6 +128,7 @@ def test_fallbacks_are_reported(world_results):
     ({"timeout_ms": 0}, ValueError, "timeout_ms = 0, expected a positive int"),
     ({"ranks_per_node": 0}, ValueError, "ranks_per_node = 0, expected a positive int"),
     ({"net": 64}, TypeError, "net is int, expected tide.NetOptions"),
+    ({"network": "rdma"}, ValueError, "network = 'rdma', expected one of"),
     ({}, ValueError, "no FSDP2 param groups under this module"),
 ])
 def test_enable_rejects_bad_arguments(kwargs, error, fragment):

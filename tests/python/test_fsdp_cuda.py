@@ -1,7 +1,7 @@
 """tide-bench on CUDA devices. fsdp: stock FSDP2 (NCCL) and TIDE train the same model side by side on two
 GPUs (one rank each); with fp32 everywhere at W = 2 every reduction is a sum of two, which cannot
 depend on order, so the final parameters must be bitwise equal; with bf16 params and fp32
-reduction likewise (the same two-term sums); with more ranks than GPUs, within the tolerance of
+reduction likewise (the same two-term sums), and with each GPU its own node (IPC or NCCL between); with more ranks than GPUs, within the tolerance of
 test_fsdp.py. collectives: the GPU sweep (CUDA executor vs NCCL) checks every row. Skipped, saying
 why, without the GPUs or without a CUDA build of TIDE (CI has neither)."""
 
@@ -26,6 +26,23 @@ def test_tide_matches_stock_bitwise_on_two_gpus(mp, tmp_path, capsys):
                      "--steps", "3", "--warmup", "1", "--seq", "64", "--json", str(out),
                      "--no-progress"]) == 0
     data = json.loads(out.read_text())
+    assert data["tide"]["tide_buckets"] == 3 and not data["tide"]["tide_fallbacks"]
+    assert data["tide"]["layout_copy_mib"] == 0 and data["stock"]["layout_copy_mib"] > 0
+    assert data["max_abs_diff"] == 0.0, capsys.readouterr().out
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("network", ["ipc", "nccl"])
+def test_two_gpus_as_two_nodes_match_stock_bitwise(network, tmp_path, capsys):
+    """Each GPU its own node: TIDE's across-node programs between them, over CUDA IPC or over NCCL
+    (a communicator per pooled window). W = 2: bitwise equal to stock, as on one node."""
+    out = tmp_path / "fsdp.json"
+    assert cli.main(["fsdp", "--device", "cuda", "--world", "2", "--model", "tiny", "--mp", "fp32",
+                     "--ranks-per-node", "1", "--network", network, "--chunk-mib", "1",
+                     "--steps", "3", "--warmup", "1", "--seq", "64", "--json", str(out),
+                     "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert data["ranks_per_node"] == 1 and data["network"] == network
     assert data["tide"]["tide_buckets"] == 3 and not data["tide"]["tide_fallbacks"]
     assert data["tide"]["layout_copy_mib"] == 0 and data["stock"]["layout_copy_mib"] > 0
     assert data["max_abs_diff"] == 0.0, capsys.readouterr().out

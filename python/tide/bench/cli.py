@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--ranks-per-node", type=_positive("ranks-per-node"), default=None,
                    help="declare nodes of this many consecutive ranks: TIDE runs its across-node "
                         "programs between them (CPU: virtual nodes over the host transport)")
+    f.add_argument("--network", choices=("auto", "ipc", "nccl"), default="auto",
+                   help="with --ranks-per-node on GPUs: what carries TIDE's steps between nodes "
+                        "(auto: CUDA IPC on one host, else NCCL)")
     f.add_argument("--chunk-mib", type=_positive("chunk-mib"), default=1,
                    help="network chunk size across nodes, MiB (with --ranks-per-node)")
     f.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (step-time breakdown, memory) here")
@@ -101,6 +104,7 @@ def _fsdp(args, parser, device) -> int:
     mp = args.mp or ("fp32" if device == "cpu" else "bf16")
     opts = {"device": device, "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
             "ranks_per_node": args.ranks_per_node, "chunk_bytes": args.chunk_mib * MIB,
+            "network": args.network,
             "seq": args.seq, "progress": not args.no_progress}
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
           f"mp {mp}, {args.world} ranks", file=sys.stderr)
@@ -122,7 +126,7 @@ def _fsdp(args, parser, device) -> int:
 
     summary = {"model": model_name, "config": cfg.as_dict(), "world": len(stock), "device": device,
                "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
-               "ranks_per_node": args.ranks_per_node,
+               "ranks_per_node": args.ranks_per_node, "network": args.network,
                "stock": merged(stock), "tide": merged(tide_runs),
                "max_abs_diff": compare(stock, tide_runs), "torch": torch.__version__}
     print(report.fsdp_table(summary))
