@@ -94,10 +94,50 @@ TEST(NetGroups, MultinodePlansScheduleAndNeverDeadlock) {
                              << " chunk " << net.chunk_bytes << " in flight "
                              << net.max_chunks_in_flight << " halving " << net.rs_recursive_halving
                              << "\n" << layout.describe();
+        // The CUDA IPC network runs the same groups with bounded mailboxes and per-peer order.
+        ASSERT_EQ(net::simulate_ipc_groups(programs, schedules), "")
+            << "IPC network: " << t.nodes << "x" << t.local << " " << collective_name(c)
+            << " chunk " << net.chunk_bytes << " in flight " << net.max_chunks_in_flight
+            << " halving " << net.rs_recursive_halving << "\n" << layout.describe();
         ++checked;
       }
     }
   EXPECT_EQ(checked, 8 * 35 * 2);
+}
+
+TEST(NetGroups, IpcSimulatorBoundsSendsByTheMailbox) {
+  // One group per rank: n sends to the peer, then n receives from it. NCCL's group semantics take
+  // any n; the IPC network's mailbox holds kNetQueueDepth sends, so beyond that both ranks wait
+  // for room before either receives. Interleaved (what the planner's paced exchanges emit), any n
+  // passes. This is the deadlock the first IPC network hit on a GPU (it posted a group's sends
+  // before its receives).
+  auto exchange = [](int rank, int n, bool interleaved) {
+    Program p;
+    p.rank = rank, p.world = 2;
+    const int peer = 1 - rank;
+    for (int k = 0; k < n; ++k) {
+      const std::size_t at = 64 * static_cast<std::size_t>(k);
+      p.steps.push_back({Phase::kPush, NetSendOp{peer, {Space::kWindow, rank, at}, 16, 0}});
+      if (interleaved)
+        p.steps.push_back({Phase::kPush, NetRecvOp{peer, {Space::kWindow, rank, at + 32}, 16, 0}});
+    }
+    for (int k = 0; k < n && !interleaved; ++k)
+      p.steps.push_back({Phase::kPush,
+                         NetRecvOp{peer, {Space::kWindow, rank, 64 * static_cast<std::size_t>(k) + 32}, 16, 0}});
+    return p;
+  };
+  for (int n : {1, kNetQueueDepth, kNetQueueDepth + 1, 3 * kNetQueueDepth}) {
+    for (bool interleaved : {false, true}) {
+      const std::vector<Program> programs{exchange(0, n, interleaved), exchange(1, n, interleaved)};
+      const std::vector<net::GroupSchedule> schedules{net::schedule_groups(programs[0]),
+                                                      net::schedule_groups(programs[1])};
+      ASSERT_EQ(schedules[0].groups.size(), 1u) << n;
+      SCOPED_TRACE(testing::Message() << n << " sends, interleaved " << interleaved);
+      EXPECT_EQ(net::simulate_groups(programs, schedules), "");
+      EXPECT_EQ(net::simulate_ipc_groups(programs, schedules) == "",
+                interleaved || n <= kNetQueueDepth);
+    }
+  }
 }
 
 TEST(NetGroups, RingOverlapsTheNextLocalReduceWithTheTransfer) {

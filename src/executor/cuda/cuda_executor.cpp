@@ -367,8 +367,8 @@ struct CudaExecutor::Impl {
   // program order on a stream of their own (the first peer's on the network stream, the others'
   // forked from it), so no transfer waits behind another peer's, and a send past the mailbox's
   // depth waits only for that peer to receive; the group ends once they all have and its sends
-  // are taken. This is NCCL's group semantics (simulate_groups checks the schedules against it)
-  // with the plan's per-peer order and queue depth (verify_programs checks those).
+  // are taken: NCCL's group semantics plus per-peer order and a bounded mailbox, which
+  // net::simulate_ipc_groups models (the tests run every planner schedule through it).
   void issue_ipc_group(const net::NetGroup& group, const Program& program,
                        const std::function<std::byte*(const Address&)>& resolve, uint64_t epoch,
                        uint64_t tag, Phase phase) {

@@ -201,4 +201,71 @@ std::string simulate_groups(const std::vector<Program>& programs,
   return stuck.str();
 }
 
+std::string simulate_ipc_groups(const std::vector<Program>& programs,
+                                const std::vector<GroupSchedule>& schedules) {
+  const int world = static_cast<int>(programs.size());
+  struct Op {
+    bool send;
+    int peer, channel;
+    int seq;  // 1-based number among (sender, receiver, channel)'s sends
+  };
+  // [rank][group] -> ops per peer lane, each lane in program order.
+  std::vector<std::vector<std::map<int, std::vector<Op>>>> lanes(world);
+  for (int r = 0; r < world; ++r) {
+    std::map<std::tuple<int, int, int>, int> count;
+    for (const NetGroup& g : schedules[r].groups) {
+      std::map<int, std::vector<Op>> by_peer;
+      for (std::size_t i : g.ops) {
+        const Step& step = programs[r].steps[i];
+        if (const auto* send = std::get_if<NetSendOp>(&step.op))
+          by_peer[send->peer].push_back(
+              {true, send->peer, send->channel, ++count[{r, send->peer, send->channel}]});
+        else if (const auto* recv = std::get_if<NetRecvOp>(&step.op))
+          by_peer[recv->peer].push_back(
+              {false, recv->peer, recv->channel, ++count[{recv->peer, r, recv->channel}]});
+      }
+      lanes[r].push_back(std::move(by_peer));
+    }
+  }
+  // posted[(s, r, c)]: sends s -> r on c posted; received[(s, r, c)]: of those, received by r.
+  std::map<std::tuple<int, int, int>, int> posted, received;
+  std::vector<std::size_t> head(world, 0);
+  std::vector<std::map<int, std::size_t>> position(world);  // per peer lane of the running group
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < world; ++r) {
+      if (head[r] >= lanes[r].size()) continue;
+      bool all_done = true;
+      for (const auto& [peer, ops] : lanes[r][head[r]]) {
+        std::size_t& at = position[r][peer];
+        while (at < ops.size()) {
+          const Op& op = ops[at];
+          if (op.send) {
+            if (op.seq - received[{r, op.peer, op.channel}] > kNetQueueDepth) break;
+            posted[{r, op.peer, op.channel}] = op.seq;
+          } else {
+            if (posted[{op.peer, r, op.channel}] < op.seq) break;
+            received[{op.peer, r, op.channel}] = op.seq;
+          }
+          ++at, progress = true;
+        }
+        if (at < ops.size()) all_done = false;
+        for (const Op& op : ops)  // the group's end waits for its sends to be received
+          if (op.send && received[{r, op.peer, op.channel}] < op.seq) all_done = false;
+      }
+      if (all_done) {
+        ++head[r];
+        position[r].clear();
+        progress = true;
+      }
+    }
+  }
+  std::ostringstream stuck;
+  for (int r = 0; r < world; ++r)
+    if (head[r] < lanes[r].size())
+      stuck << (stuck.tellp() > 0 ? "; " : "") << "rank " << r << " stuck in group " << head[r]
+            << " of " << lanes[r].size();
+  return stuck.str();
+}
+
 }  // namespace tide::net

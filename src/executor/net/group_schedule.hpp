@@ -57,4 +57,14 @@ GroupSchedule schedule_groups(const Program& program);
 std::string simulate_groups(const std::vector<Program>& programs,
                             const std::vector<GroupSchedule>& schedules);
 
+// The same question for the CUDA IPC network (CudaReach::kHost windows, CudaExecutor without
+// NCCL), whose semantics differ from NCCL's: a rank's groups run one after another; inside a
+// group, each peer's ops run in program order (one stream per peer); a send may be posted only
+// while fewer than kNetQueueDepth of its earlier sends to that peer on that channel are still
+// unreceived (the mailbox holds kNetQueueDepth entries); a receive completes once its send is
+// posted; a group ends when every peer's ops are done and its sends received. "" when every
+// rank finishes, else the stuck ranks.
+std::string simulate_ipc_groups(const std::vector<Program>& programs,
+                                const std::vector<GroupSchedule>& schedules);
+
 }  // namespace tide::net
