@@ -50,6 +50,7 @@ import inspect
 import itertools
 import logging
 import math
+import os
 import socket
 
 import torch
@@ -562,7 +563,7 @@ def _placements(group, device: torch.device) -> list:
         gpu = ""
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
-            gpu = str(getattr(props, "uuid", "")) or f"{props.name}#{props.pci_bus_id}"
+            gpu = str(getattr(props, "uuid", "")) or f"{props.name}#{getattr(props, 'pci_bus_id', device.index)}"
         store = dist.distributed_c10d._get_default_store()
         key = f"tide/placement/{device.type}/{'-'.join(map(str, ranks))}"  # once per group and process
         store.set(f"{key}/{group.rank()}", f"{socket.gethostname()}|{gpu}")
@@ -596,9 +597,20 @@ def _transport(group, device: torch.device, topology, network: str):
     transport = ("ipc" if one_host else "nccl") if network == "auto" else network
     if transport == "ipc" and not one_host:
         return None, "network='ipc' needs every rank of the group on this host"
-    if transport == "nccl" and len({g for _, g in placements}) < len(placements):
+    if transport == "nccl" and len(set(placements)) < len(placements):  # (host, GPU) pairs
         return None, "network='nccl' with ranks sharing a GPU (NCCL refuses two ranks on one GPU)"
     return transport, ""
+
+
+def _launcher_ranks_per_node() -> int | None:
+    """LOCAL_WORLD_SIZE, as torchrun sets it (the ranks of one node), or None where it is unset."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"tide.fsdp.enable: LOCAL_WORLD_SIZE = {value!r}, expected a positive int "
+                         "(or pass ranks_per_node)")
+    return int(value)
 
 
 def _group_topology(group, ranks_per_node):
@@ -668,10 +680,11 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     """Turns TIDE on for every FSDP2 param group under `module` (call after ``fully_shard``, with the
     model sharded: before the first step or between steps). Returns what was handled.
 
-    ranks_per_node: declares nodes of that many consecutive global ranks; groups that span several
+    ranks_per_node: declares nodes of that many consecutive global ranks (default: LOCAL_WORLD_SIZE
+    as torchrun sets it; unset: every group is one node); groups that span several
     run TIDE's across-node programs (recursive-doubling all-gather, two-phase reduce-scatter)
-    between them, with `net` (a tide.NetOptions) pacing the network steps. Default: every group is
-    one node (its ranks must then be on one host).
+    between them, with `net` (a tide.NetOptions) pacing the network steps. A group on one node
+    must have its ranks on one host.
 
     network: what carries those steps on CUDA devices. "auto" (default): CUDA IPC when every rank
     of the group is on this host (virtual nodes), else NCCL; "ipc"; "nccl" (a communicator per
@@ -685,6 +698,8 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         raise ValueError(f"tide.fsdp.enable: timeout_ms = {timeout_ms!r}, expected a positive int")
     if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node <= 0):
         raise ValueError(f"tide.fsdp.enable: ranks_per_node = {ranks_per_node!r}, expected a positive int")
+    if ranks_per_node is None:
+        ranks_per_node = _launcher_ranks_per_node()
     if net is not None and not isinstance(net, _tide.NetOptions):
         raise TypeError(f"tide.fsdp.enable: net is {type(net).__name__}, expected tide.NetOptions")
     net = net if net is not None else _tide.NetOptions()

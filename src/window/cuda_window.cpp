@@ -30,10 +30,11 @@ constexpr std::size_t kDataAlignment = 256;
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
-// Flags, then the IPC network's mailboxes: what follows a window's data, zeroed at creation.
+// Flags, then the IPC network's mailboxes (at their alignment): what follows a window's data,
+// zeroed at creation.
+std::size_t mailbox_offset(int world) { return round_up(flag_array_bytes(world), alignof(NetOutbox)); }
 std::size_t control_bytes(int world) {
-  return flag_array_bytes(world) +
-         sizeof(NetOutbox) * kNetChannels * static_cast<std::size_t>(world);
+  return mailbox_offset(world) + sizeof(NetOutbox) * kNetChannels * static_cast<std::size_t>(world);
 }
 
 // Identifies this process among the ranks: the pid alone is not enough across containers, and a
@@ -193,7 +194,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   std::byte* const base = window->peers_[rank].base;
   TIDE_CHECK_ARG(reinterpret_cast<uintptr_t>(base) % kDataAlignment == 0, where, "window base",
                  static_cast<void*>(base), detail::concat("aligned to ", kDataAlignment, " B"));
-  window->mailbox_offset_ = window->flag_offset_ + flag_array_bytes(world);
+  window->mailbox_offset_ = window->flag_offset_ + mailbox_offset(world);
   // Flags must read zero before any peer can signal into them: zero, and wait, before the
   // handles are published. A private stream, not cudaDeviceSynchronize: other ranks of this
   // process (threads) may have streams blocked on flags, and a device-wide wait would join them.

@@ -184,8 +184,9 @@ TEST(MultinodePlan, RejectsBadNetOptions) {
   EXPECT_THROW(plan_reduce_scatter(layout, 0, {}, 0, NetOptions{64, 1, kNetQueueDepth + 1}), InvalidArgument);
 }
 
-// Executors without a network transport (the CUDA executor: validate_run's default) reject network
-// ops before anything runs, saying so.
+// Executors without a network transport (a CUDA executor with neither an NcclComm nor a
+// CudaReach::kHost window: validate_run's default) reject network ops before anything runs, saying
+// what would give them one.
 TEST(MultinodePlan, ExecutorsWithoutTransportRejectNetworkOps) {
   BucketLayout layout({{"w", {16, 4}}}, Topology{2, 2});
   const Program p = plan_all_gather(layout, 0, 0, NetOptions{});
@@ -195,7 +196,9 @@ TEST(MultinodePlan, ExecutorsWithoutTransportRejectNetworkOps) {
     validate_run(p, b.bindings, 0, 4, sizeof window, window);
     FAIL() << "accepted";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("CUDA executor"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no network transport"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("NcclComm"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CudaReach::kHost"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(validate_run(p, b.bindings, 0, 4, sizeof window, window, /*net_supported=*/true));
 }

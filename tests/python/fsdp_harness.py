@@ -113,6 +113,8 @@ SCENARIOS = {
     # NCCL between the nodes: with one GPU per rank it runs (CUDA on several GPUs); ranks sharing a
     # GPU (NCCL refuses them) and CPU (its network is the host transport) fall back.
     "nccl_network": ((2,), {"ranks_per_node": 1, "net": 4096, "network": "nccl"}),
+    # Nodes from the launcher: LOCAL_WORLD_SIZE (as torchrun sets it) instead of ranks_per_node.
+    "launcher_nodes": ((4,), {"ranks_per_node": 2, "from_env": True, "net": 1024}),
     # Nodes of 3 ranks at W = 4: 3 + 1 ranks, not a nodes x local grid: every group falls back.
     "uneven_nodes": ((4,), {"ranks_per_node": 3, "net": 512}),
 }
@@ -197,7 +199,15 @@ def run_scenario(opts, world, device):
             kwargs = {"ranks_per_node": opts["ranks_per_node"],
                       "net": tide.NetOptions(chunk_bytes=opts["net"], max_chunks_in_flight=2, ring_depth=2),
                       "network": opts.get("network", "auto")}
-        handle = tide.fsdp.enable(model, **kwargs)
+        launcher = os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if opts.get("from_env"):  # the launcher's LOCAL_WORLD_SIZE stands for ranks_per_node
+            os.environ["LOCAL_WORLD_SIZE"] = str(kwargs.pop("ranks_per_node"))
+        try:
+            handle = tide.fsdp.enable(model, **kwargs)
+        finally:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+            if launcher is not None:
+                os.environ["LOCAL_WORLD_SIZE"] = launcher
         params, ops = train(model, opts, device)
         runs.append((params, ops, handle))
         tide.fsdp.disable(model)

@@ -129,10 +129,13 @@ def test_fallbacks_are_reported(world_results):
     ({"ranks_per_node": 0}, ValueError, "ranks_per_node = 0, expected a positive int"),
     ({"net": 64}, TypeError, "net is int, expected tide.NetOptions"),
     ({"network": "rdma"}, ValueError, "network = 'rdma', expected one of"),
+    ({"env": "0"}, ValueError, "LOCAL_WORLD_SIZE = '0', expected a positive int"),
     ({}, ValueError, "no FSDP2 param groups under this module"),
 ])
-def test_enable_rejects_bad_arguments(kwargs, error, fragment):
+def test_enable_rejects_bad_arguments(kwargs, error, fragment, monkeypatch):
     import tide.fsdp
     module = kwargs.pop("module", torch.nn.Linear(2, 2))
+    if "env" in kwargs:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", kwargs.pop("env"))
     with pytest.raises(error, match=fragment):
         tide.fsdp.enable(module, **kwargs)

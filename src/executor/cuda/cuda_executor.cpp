@@ -101,7 +101,9 @@ struct PendingWait {
   std::string what;  // kNccl: the group's peers; kMailbox: the transfer, for messages
   const NetOutbox* mailbox = nullptr;  // kMailbox: own mailbox for `peer`
   std::vector<MailboxWord> words;      // kMailbox
+  int channel = 0;                     // kMailbox
   uint64_t seq = 0;                    // kMailbox receive: the send number it waits for (else 0)
+  uint64_t* offset = nullptr;          // kMailbox receive: its entry's offset, poisoned on release
   std::size_t bytes = 0;               // kMailbox receive: its bytes
 };
 
@@ -344,11 +346,15 @@ struct CudaExecutor::Impl {
   }
 
   // Stream waits on `words` of the own mailbox for `peer` on stream `on`, watched.
-  void enqueue_mailbox_wait(cudaStream_t on, const NetOutbox* mailbox, std::vector<MailboxWord> words,
-                            std::string what, int peer, uint64_t seq, std::size_t bytes,
-                            uint64_t epoch, uint64_t tag, Phase phase) {
+  void enqueue_mailbox_wait(cudaStream_t on, const NetOutbox* mailbox, int channel,
+                            std::vector<MailboxWord> words, std::string what, int peer,
+                            uint64_t seq, std::size_t bytes, uint64_t epoch, uint64_t tag,
+                            Phase phase) {
     PendingWait record = new_wait(PendingWait::Kind::kMailbox, epoch, tag, peer, phase);
-    record.what = std::move(what), record.mailbox = mailbox, record.words = std::move(words), record.seq = seq, record.bytes = bytes;
+    record.what = std::move(what), record.mailbox = mailbox, record.channel = channel;
+    record.words = std::move(words), record.seq = seq, record.bytes = bytes;
+    if (seq > 0)
+      record.offset = const_cast<uint64_t*>(&mailbox->entries[(seq - 1) % kNetQueueDepth].offset);
     TIDE_CUDA_CHECK(cudaEventRecord(record.before, on));
     for (const MailboxWord& w : record.words)
       TIDE_CU_CHECK(api.stream_wait_value64(on, reinterpret_cast<CUdeviceptr>(w.word), w.value,
@@ -411,7 +417,7 @@ struct CudaExecutor::Impl {
           const uint64_t k = window.next_net_send(send->channel, send->peer);
           const NetOutbox* own = window.mailbox(rank, send->channel, send->peer);
           if (k > static_cast<uint64_t>(kNetQueueDepth))
-            enqueue_mailbox_wait(on, own,
+            enqueue_mailbox_wait(on, own, send->channel,
                                  {{const_cast<uint64_t*>(&own->taken), k - kNetQueueDepth, false}},
                                  detail::concat("room in the mailbox of rank ", send->peer,
                                                 " for net send #", k),
@@ -430,7 +436,7 @@ struct CudaExecutor::Impl {
         const uint64_t k = window.next_net_receive(recv.channel, recv.peer);
         NetOutbox* own = window.mailbox(rank, recv.channel, recv.peer);
         NetEntry& entry = own->entries[(k - 1) % kNetQueueDepth];
-        enqueue_mailbox_wait(on, own,
+        enqueue_mailbox_wait(on, own, recv.channel,
                              {{&own->posted, k, false},
                               {&entry.epoch, epoch, true},
                               {&entry.tag, tag, true},
@@ -455,7 +461,8 @@ struct CudaExecutor::Impl {
     recycle_events(joins);  // every wait on them is enqueued
     for (const Posted& send : sends) {
       const NetOutbox* own = window.mailbox(rank, send.channel, send.peer);
-      enqueue_mailbox_wait(net_stream, own, {{const_cast<uint64_t*>(&own->taken), send.seq, false}},
+      enqueue_mailbox_wait(net_stream, own, send.channel,
+                           {{const_cast<uint64_t*>(&own->taken), send.seq, false}},
                            detail::concat("rank ", send.peer, " to receive net send #", send.seq,
                                           " (", send.bytes, " B)"),
                            send.peer, 0, send.bytes, epoch, tag, phase);
@@ -533,37 +540,55 @@ struct CudaExecutor::Impl {
         "slow)")));
   }
 
-  // A stuck IPC transfer: a receive whose send was posted with another epoch, tag or size is a
-  // desync; anything else a timeout.
+  // A stuck IPC transfer. DesyncError when the awaited send was posted for another collective,
+  // epoch or size, or the peer posted on the other channel (all-gather vs reduce-scatter) at this
+  // epoch; TimeoutError otherwise.
   std::exception_ptr diagnose_mailbox(const PendingWait& w) {
-    TIDE_CUDA_CHECK(cudaMemcpyAsync(&mailbox_staging, w.mailbox, sizeof(NetOutbox),
-                                    cudaMemcpyDeviceToHost, side_stream));
-    TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
-    const NetOutbox& box = mailbox_staging;
+    auto read_mailbox = [&](const NetOutbox* box) {
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(&mailbox_staging, box, sizeof(NetOutbox),
+                                      cudaMemcpyDeviceToHost, side_stream));
+      TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
+      return mailbox_staging;
+    };
+    const int rank = window.rank();
     const std::string where = detail::concat(describe_tag(w.tag), ", phase ", phase_name(w.phase),
                                              ", epoch ", w.epoch);
+    auto desync = [&](uint64_t seq, const NetEntry& e, const char* channel) {
+      return std::make_exception_ptr(DesyncError(detail::concat(
+          "rank ", rank, " runs ", where, " and expects ", w.what, ", but rank ", w.peer,
+          " posted send #", seq, channel, " of ", e.bytes, " B for ", describe_tag(e.tag),
+          " at epoch ", e.epoch, ": the ranks called collectives in different orders [CUDA IPC "
+          "network]")));
+    };
+    const NetOutbox box = read_mailbox(w.mailbox);
     if (w.seq > 0 && box.posted >= w.seq) {
       const NetEntry& e = box.entries[(w.seq - 1) % kNetQueueDepth];
-      return std::make_exception_ptr(DesyncError(detail::concat(
-          "rank ", window.rank(), " runs ", where, " and expects ", w.what, ", but rank ", w.peer,
-          " posted send #", w.seq, " of ", e.bytes, " B for ", describe_tag(e.tag), " at epoch ",
-          e.epoch, ": the ranks called collectives in different orders [CUDA IPC network]")));
+      if (e.epoch != w.epoch || e.tag != w.tag || e.bytes != w.bytes) return desync(w.seq, e, "");
+    }
+    const NetOutbox other = read_mailbox(window.mailbox(rank, 1 - w.channel, w.peer));
+    if (other.posted > 0) {
+      const NetEntry& e = other.entries[(other.posted - 1) % kNetQueueDepth];
+      if (e.epoch == w.epoch && e.tag != w.tag)
+        return desync(other.posted, e, " on the other collective's channel");
     }
     return std::make_exception_ptr(TimeoutError(detail::concat(
-        "rank ", window.rank(), ": timed out after ", timeout.count(), " ms waiting for ", w.what,
-        " (", where, ") on the GPU; rank ", w.peer, " has posted ", box.posted,
+        "rank ", rank, ": timed out after ", timeout.count(), " ms waiting for ", w.what, " (",
+        where, ") on the GPU; rank ", w.peer, " has posted ", box.posted,
         " sends to this rank and received ", box.taken, " of its sends [CUDA IPC network]. The "
         "peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is only "
         "slow)")));
   }
 
-  void release_words(const std::vector<MailboxWord>& words) {
-    for (const MailboxWord& w : words) {
-      const uint64_t value = w.equal ? w.value : kReleaseEpoch;
-      TIDE_CUDA_CHECK(cudaMemcpyAsync(w.word, &value, sizeof value, cudaMemcpyHostToDevice,
+  // Releases a stuck IPC wait. A receive's offset is poisoned first, so its pull kernel copies
+  // nothing (the sender may be gone) unless a live sender posts the real one meanwhile.
+  void release_mailbox_wait(const PendingWait& w) {
+    auto write = [&](uint64_t* word, uint64_t value) {
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(word, &value, sizeof value, cudaMemcpyHostToDevice,
                                       side_stream));
       TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
-    }
+    };
+    if (w.offset) write(w.offset, UINT64_MAX);
+    for (const MailboxWord& m : w.words) write(m.word, m.equal ? m.value : kReleaseEpoch);
   }
 
   std::exception_ptr diagnose(const PendingWait& w, const FlagWord& seen) {
@@ -632,7 +657,7 @@ struct CudaExecutor::Impl {
                 network->abort();
               }
             } else if (w.kind == PendingWait::Kind::kMailbox) {
-              release_words(w.words);
+              release_mailbox_wait(w);
             } else if (!timed_out) {
               write_flags(w.flag, 1, w.tag);
             }
@@ -731,150 +756,156 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
   d.throw_if_failed();
   const uint64_t epoch = window.next_epoch();
   const uint64_t tag = program.tag();
+  // Past this point the window's epoch and network counters have moved: a failure while
+  // enqueuing leaves this executor out of step with its peers, so it fails for good.
+  try {
+    const std::function<std::byte*(const Address&)> resolve = [&](const Address& a) -> std::byte* {
+      switch (a.space) {
+        case Space::kWindow: return window.data(a.index) + a.offset;
+        case Space::kInput:
+          return const_cast<std::byte*>(static_cast<const std::byte*>(bindings.inputs[a.index])) +
+                 a.offset;
+        case Space::kOutput: return static_cast<std::byte*>(bindings.outputs[a.index]) + a.offset;
+      }
+      return nullptr;
+    };
 
-  const std::function<std::byte*(const Address&)> resolve = [&](const Address& a) -> std::byte* {
-    switch (a.space) {
-      case Space::kWindow: return window.data(a.index) + a.offset;
-      case Space::kInput:
-        return const_cast<std::byte*>(static_cast<const std::byte*>(bindings.inputs[a.index])) +
-               a.offset;
-      case Space::kOutput: return static_cast<std::byte*>(bindings.outputs[a.index]) + a.offset;
+    const std::vector<Step>& steps = program.steps;
+    bool has_net = false;
+    for (const Step& step : steps)
+      has_net |= std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op);
+    net::GroupSchedule schedule;
+    if (has_net) {
+      schedule = net::schedule_groups(program);
+      if (!d.net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&d.net_ready, cudaEventDisableTiming));
     }
-    return nullptr;
-  };
+    // Issues and waits the schedule asks for before step i (i == steps.size(): the end).
+    std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
+    auto network_actions = [&](std::size_t i) {
+      if (!has_net) return;
+      for (int g : schedule.issue_before[i])
+        group_done.push_back(d.issue_group(schedule.groups[g], program, resolve, epoch, tag,
+                                           steps[schedule.groups[g].ops.back()].phase));
+      if (schedule.wait_before[i] >= 0)
+        TIDE_CUDA_CHECK(cudaStreamWaitEvent(d.stream, group_done[schedule.wait_before[i]], 0));
+    };
+    // Whether step j may join a kernel batch started earlier: no network action falls between.
+    auto batchable = [&](std::size_t j) {
+      return !has_net || (schedule.issue_before[j].empty() && schedule.wait_before[j] < 0);
+    };
 
-  const std::vector<Step>& steps = program.steps;
-  bool has_net = false;
-  for (const Step& step : steps)
-    has_net |= std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op);
-  net::GroupSchedule schedule;
-  if (has_net) {
-    schedule = net::schedule_groups(program);
-    if (!d.net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&d.net_ready, cudaEventDisableTiming));
-  }
-  // Issues and waits the schedule asks for before step i (i == steps.size(): the end).
-  std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
-  auto network_actions = [&](std::size_t i) {
-    if (!has_net) return;
-    for (int g : schedule.issue_before[i])
-      group_done.push_back(d.issue_group(schedule.groups[g], program, resolve, epoch, tag,
-                                         steps[schedule.groups[g].ops.back()].phase));
-    if (schedule.wait_before[i] >= 0)
-      TIDE_CUDA_CHECK(cudaStreamWaitEvent(d.stream, group_done[schedule.wait_before[i]], 0));
-  };
-  // Whether step j may join a kernel batch started earlier: no network action falls between.
-  auto batchable = [&](std::size_t j) {
-    return !has_net || (schedule.issue_before[j].empty() && schedule.wait_before[j] < 0);
-  };
-
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<std::size_t> sizes;
-  for (std::size_t i = 0; i < steps.size();) {
-    network_actions(i);
-    const Step& step = steps[i];
-    if (std::holds_alternative<CastOp>(step.op)) {
-      // Consecutive casts write disjoint slots: same-type ones become one copy batch (+ memsets
-      // of their pads), the rest one kernel.
-      std::vector<cuda_kernels::CastSpec> casts;
-      dsts.clear(), srcs.clear(), sizes.clear();
-      for (std::size_t first = i;
-           i < steps.size() && std::holds_alternative<CastOp>(steps[i].op) && (i == first || batchable(i));
-           ++i) {
-        const CastOp& cast = std::get<CastOp>(steps[i].op);
-        std::byte* dst = resolve(cast.dst);
-        const std::size_t dst_size = dtype_size(cast.dst_dtype);
-        if (cast.src_dtype == cast.dst_dtype) {
-          if (cast.count > 0) {
-            dsts.push_back(dst);
-            srcs.push_back(resolve(cast.src));
-            sizes.push_back(static_cast<std::size_t>(cast.count) * dst_size);
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<std::size_t> sizes;
+    for (std::size_t i = 0; i < steps.size();) {
+      network_actions(i);
+      const Step& step = steps[i];
+      if (std::holds_alternative<CastOp>(step.op)) {
+        // Consecutive casts write disjoint slots: same-type ones become one copy batch (+ memsets
+        // of their pads), the rest one kernel.
+        std::vector<cuda_kernels::CastSpec> casts;
+        dsts.clear(), srcs.clear(), sizes.clear();
+        for (std::size_t first = i;
+             i < steps.size() && std::holds_alternative<CastOp>(steps[i].op) && (i == first || batchable(i));
+             ++i) {
+          const CastOp& cast = std::get<CastOp>(steps[i].op);
+          std::byte* dst = resolve(cast.dst);
+          const std::size_t dst_size = dtype_size(cast.dst_dtype);
+          if (cast.src_dtype == cast.dst_dtype) {
+            if (cast.count > 0) {
+              dsts.push_back(dst);
+              srcs.push_back(resolve(cast.src));
+              sizes.push_back(static_cast<std::size_t>(cast.count) * dst_size);
+            }
+            if (cast.pad > 0)
+              TIDE_CUDA_CHECK(cudaMemsetAsync(dst + cast.count * dst_size, 0, cast.pad * dst_size,
+                                              d.stream));
+          } else {
+            casts.push_back({cast.count > 0 ? resolve(cast.src) : nullptr, dst, cast.count, cast.pad,
+                             element_type(cast.src_dtype), element_type(cast.dst_dtype)});
           }
-          if (cast.pad > 0)
-            TIDE_CUDA_CHECK(cudaMemsetAsync(dst + cast.count * dst_size, 0, cast.pad * dst_size,
-                                            d.stream));
-        } else {
-          casts.push_back({cast.count > 0 ? resolve(cast.src) : nullptr, dst, cast.count, cast.pad,
-                           element_type(cast.src_dtype), element_type(cast.dst_dtype)});
         }
-      }
-      d.enqueue_copies(dsts, srcs, sizes);
-      if (!casts.empty())
-        d.launch_timed(KernelKind::kCast, d.stream, [&] {
-          return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, d.stream);
+        d.enqueue_copies(dsts, srcs, sizes);
+        if (!casts.empty())
+          d.launch_timed(KernelKind::kCast, d.stream, [&] {
+            return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, d.stream);
+          });
+      } else if (std::holds_alternative<ReduceOp>(step.op)) {
+        // One kernel for consecutive reduces with as many sources each, as long as none touches
+        // what an earlier one in the kernel writes (a multi-node ring step sums the partial it just
+        // reduced) or writes what an earlier one reads.
+        const std::size_t num_sources = std::get<ReduceOp>(step.op).sources.size();
+        std::vector<const void*> sources;  // num_sources per reduce, filled first: specs point into it
+        std::vector<Span> reads, writes;
+        std::vector<std::size_t> batch;
+        for (; i < steps.size() && std::holds_alternative<ReduceOp>(steps[i].op); ++i) {
+          const ReduceOp& reduce = std::get<ReduceOp>(steps[i].op);
+          if (!batch.empty() && (reduce.sources.size() != num_sources || !batchable(i))) break;
+          const std::size_t in_bytes = static_cast<std::size_t>(reduce.count) * dtype_size(reduce.src_dtype);
+          const std::byte* out = resolve(reduce.dst);
+          const Span written{out, out + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.dst_dtype)};
+          bool depends = false;
+          for (const Span& w : writes) depends |= w.overlaps(written);
+          for (const Span& r : reads) depends |= r.overlaps(written);
+          std::vector<Span> read_here;
+          for (const Address& a : reduce.sources) {
+            const std::byte* src = resolve(a);
+            read_here.push_back({src, src + in_bytes});
+          }
+          if (reduce.partial) {
+            const std::byte* partial = resolve(*reduce.partial);
+            read_here.push_back({partial, partial + static_cast<std::size_t>(reduce.count) * 4});
+          }
+          for (const Span& r : read_here)
+            for (const Span& w : writes) depends |= w.overlaps(r);
+          if (!batch.empty() && depends) break;
+          for (const Address& a : reduce.sources) sources.push_back(resolve(a));
+          reads.insert(reads.end(), read_here.begin(), read_here.end());
+          writes.push_back(written);
+          batch.push_back(i);
+        }
+        std::vector<cuda_kernels::ReduceSpec> reduces;
+        for (std::size_t k = 0; k < batch.size(); ++k) {
+          const ReduceOp& reduce = std::get<ReduceOp>(steps[batch[k]].op);
+          const float* partial =
+              reduce.partial ? reinterpret_cast<const float*>(resolve(*reduce.partial)) : nullptr;
+          reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), partial, reduce.count,
+                             reduce.prescale, reduce.scale, reduce.accumulate,
+                             element_type(reduce.src_dtype), element_type(reduce.dst_dtype)});
+        }
+        d.launch_timed(KernelKind::kReduce, d.stream, [&] {
+          return cuda_kernels::launch_reduces(reduces.data(), reduces.size(),
+                                              static_cast<int>(num_sources), 0, d.stream);
         });
-    } else if (std::holds_alternative<ReduceOp>(step.op)) {
-      // One kernel for consecutive reduces with as many sources each, as long as none touches
-      // what an earlier one in the kernel writes (a multi-node ring step sums the partial it just
-      // reduced) or writes what an earlier one reads.
-      const std::size_t num_sources = std::get<ReduceOp>(step.op).sources.size();
-      std::vector<const void*> sources;  // num_sources per reduce, filled first: specs point into it
-      std::vector<Span> reads, writes;
-      std::vector<std::size_t> batch;
-      for (; i < steps.size() && std::holds_alternative<ReduceOp>(steps[i].op); ++i) {
-        const ReduceOp& reduce = std::get<ReduceOp>(steps[i].op);
-        if (!batch.empty() && (reduce.sources.size() != num_sources || !batchable(i))) break;
-        const std::size_t in_bytes = static_cast<std::size_t>(reduce.count) * dtype_size(reduce.src_dtype);
-        const std::byte* out = resolve(reduce.dst);
-        const Span written{out, out + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.dst_dtype)};
-        bool depends = false;
-        for (const Span& w : writes) depends |= w.overlaps(written);
-        for (const Span& r : reads) depends |= r.overlaps(written);
-        std::vector<Span> read_here;
-        for (const Address& a : reduce.sources) {
-          const std::byte* src = resolve(a);
-          read_here.push_back({src, src + in_bytes});
+      } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
+        dsts.clear(), srcs.clear(), sizes.clear();
+        for (const CopyOp& c : batch->copies) {
+          if (c.bytes == 0) continue;
+          dsts.push_back(resolve(c.dst));
+          srcs.push_back(resolve(c.src));
+          sizes.push_back(c.bytes);
         }
-        if (reduce.partial) {
-          const std::byte* partial = resolve(*reduce.partial);
-          read_here.push_back({partial, partial + static_cast<std::size_t>(reduce.count) * 4});
-        }
-        for (const Span& r : read_here)
-          for (const Span& w : writes) depends |= w.overlaps(r);
-        if (!batch.empty() && depends) break;
-        for (const Address& a : reduce.sources) sources.push_back(resolve(a));
-        reads.insert(reads.end(), read_here.begin(), read_here.end());
-        writes.push_back(written);
-        batch.push_back(i);
+        d.enqueue_copies(dsts, srcs, sizes);
+        ++i;
+      } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
+        d.enqueue_signal(*signal, epoch, tag);
+        ++i;
+      } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
+        d.enqueue_wait(*wait, step.phase, epoch, tag);
+        ++i;
+      } else {
+        // NetSendOp / NetRecvOp: issued with their group (network_actions); the group waits for
+        // the compute stream to get here.
+        TIDE_CUDA_CHECK(cudaEventRecord(d.net_ready, d.stream));
+        ++i;
       }
-      std::vector<cuda_kernels::ReduceSpec> reduces;
-      for (std::size_t k = 0; k < batch.size(); ++k) {
-        const ReduceOp& reduce = std::get<ReduceOp>(steps[batch[k]].op);
-        const float* partial =
-            reduce.partial ? reinterpret_cast<const float*>(resolve(*reduce.partial)) : nullptr;
-        reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), partial, reduce.count,
-                           reduce.prescale, reduce.scale, reduce.accumulate,
-                           element_type(reduce.src_dtype), element_type(reduce.dst_dtype)});
-      }
-      d.launch_timed(KernelKind::kReduce, d.stream, [&] {
-        return cuda_kernels::launch_reduces(reduces.data(), reduces.size(),
-                                            static_cast<int>(num_sources), 0, d.stream);
-      });
-    } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
-      dsts.clear(), srcs.clear(), sizes.clear();
-      for (const CopyOp& c : batch->copies) {
-        if (c.bytes == 0) continue;
-        dsts.push_back(resolve(c.dst));
-        srcs.push_back(resolve(c.src));
-        sizes.push_back(c.bytes);
-      }
-      d.enqueue_copies(dsts, srcs, sizes);
-      ++i;
-    } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
-      d.enqueue_signal(*signal, epoch, tag);
-      ++i;
-    } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
-      d.enqueue_wait(*wait, step.phase, epoch, tag);
-      ++i;
-    } else {
-      // NetSendOp / NetRecvOp: issued with their group (network_actions); the group waits for
-      // the compute stream to get here.
-      TIDE_CUDA_CHECK(cudaEventRecord(d.net_ready, d.stream));
-      ++i;
     }
+    network_actions(steps.size());
+    d.recycle_events(group_done);  // every wait on them is enqueued (waits capture the record)
+  } catch (...) {
+    d.store_error(std::current_exception());
+    throw;
   }
-  network_actions(steps.size());
-  d.recycle_events(group_done);  // every wait on them is enqueued (waits capture the record)
 }
 
 void CudaExecutor::synchronize() {
