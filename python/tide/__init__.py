@@ -37,6 +37,7 @@ from ._tide import (  # noqa: F401
 )
 
 if cuda_built:
-    from ._tide import CudaAddressRange, CudaExecutor, CudaMemory, CudaStats, CudaWindow  # noqa: F401
+    from ._tide import (  # noqa: F401
+        CudaAddressRange, CudaExecutor, CudaMemory, CudaReach, CudaStats, CudaWindow)
 
 __version__ = "0.1.0"

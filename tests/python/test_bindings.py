@@ -221,3 +221,11 @@ def test_nccl_comm_from_a_process_group_says_when_nccl_is_missing():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120).stdout
     assert "ERR NCCL not found" in out and "/nonexistent/libnccl.so.2" in out, out
+
+
+@pytest.mark.skipif(not tide.cuda_built, reason="this build has no CUDA transport")
+def test_cuda_window_reach_is_exposed():
+    # Which peers a CUDA window maps: its node's (other nodes over NCCL) or the host's (virtual
+    # nodes, network over CUDA IPC). Creating one needs a GPU; the GPU tests do.
+    assert {tide.CudaReach.node, tide.CudaReach.host} == set(tide.CudaReach.__members__.values())
+    assert "reach" in tide.CudaWindow.create.__doc__

@@ -139,3 +139,33 @@ def test_enable_rejects_bad_arguments(kwargs, error, fragment, monkeypatch):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", kwargs.pop("env"))
     with pytest.raises(error, match=fragment):
         tide.fsdp.enable(module, **kwargs)
+
+
+# What carries a group's network steps, or why it falls back, from where its ranks are: a decision
+# table over fake placements (host, GPU) per group rank, no processes needed.
+@pytest.mark.parametrize("device, nodes, local, placements, network, expected", [
+    # one node: its ranks must share a host
+    ("cuda", 1, 2, [("a", "g0"), ("a", "g1")], "auto", (None, "")),
+    ("cuda", 1, 2, [("a", "g0"), ("b", "g0")], "auto", (None, "ranks on several hosts (a, b) as one node")),
+    # virtual nodes of one host: CUDA IPC unless NCCL is asked for
+    ("cuda", 2, 1, [("a", "g0"), ("a", "g0")], "auto", ("ipc", "")),
+    ("cuda", 2, 1, [("a", "g0"), ("a", "g1")], "nccl", ("nccl", "")),
+    ("cuda", 2, 1, [("a", "g0"), ("a", "g0")], "nccl", (None, "ranks sharing a GPU")),
+    # real nodes: NCCL; IPC cannot reach another host; a node may not span hosts
+    ("cuda", 2, 2, [("a", "g0"), ("a", "g1"), ("b", "g0"), ("b", "g1")], "auto", ("nccl", "")),
+    ("cuda", 2, 2, [("a", "g0"), ("a", "g1"), ("b", "g0"), ("b", "g1")], "ipc",
+     (None, "network='ipc' needs every rank of the group on this host")),
+    ("cuda", 2, 2, [("a", "g0"), ("b", "g1"), ("b", "g0"), ("b", "g2")], "auto",
+     (None, "node 0's ranks are on several hosts (a, b)")),
+    # CPU: the host transport, on one host
+    ("cpu", 2, 1, [("a", ""), ("a", "")], "auto", ("host", "")),
+    ("cpu", 2, 1, [("a", ""), ("a", "")], "ipc", ("host", "")),
+    ("cpu", 2, 1, [("a", ""), ("a", "")], "nccl", (None, "network='nccl' on CPU devices")),
+    ("cpu", 2, 1, [("a", ""), ("b", "")], "auto", (None, "CPU ranks on several hosts")),
+])
+def test_transport_follows_placement(device, nodes, local, placements, network, expected, monkeypatch):
+    import tide.fsdp
+    monkeypatch.setattr(tide.fsdp, "_placements", lambda group, dev: placements)
+    transport, reason = tide.fsdp._transport(None, torch.device(device), tide.Topology(nodes, local), network)
+    assert transport == expected[0]
+    assert (reason == "") if not expected[1] else (expected[1] in reason), reason
