@@ -160,7 +160,8 @@ class CudaAddressRange {
 // Waits block the stream's hardware queue. Streams share queues once a process has more of them
 // than CUDA_DEVICE_MAX_CONNECTIONS (default 8), and a wait in a shared queue also blocks the other
 // stream's work behind it: with several ranks as threads of one process (each executor uses its
-// stream plus a side stream for the watchdog), set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA
+// stream plus a side stream for the watchdog; multi-node programs add a network stream, and the
+// IPC network one more per extra peer of a group), set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA
 // starts, or a rank's wait can block the very signal it waits for. One rank per process is safe.
 class CudaExecutor final : public Executor {
  public:
