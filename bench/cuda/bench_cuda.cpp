@@ -379,7 +379,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
                                      ipc ? CudaReach::kHost : CudaReach::kNode);
 
     double median_us = 0, sm_cta_us = 0;
-    bool batched = false;
+    bool batched = true;
     unsigned long long wrong = 0;
     {
       CudaExecutor executor(*window, stream, default_timeout(), network.get());
@@ -394,7 +394,9 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       executor.run(program, bindings);
       const CudaExecutor::Stats stats = executor.stats();
       sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us;
-      batched = stats.batched_copy_calls > 0 && stats.single_copy_calls == 0;
+      // No fallback to one cudaMemcpyAsync per copy (a program may have no copies at all: one
+      // rank per node has no local peers to push to).
+      batched = stats.single_copy_calls == 0;
       executor.enable_stats(false);
       bootstrap.barrier();  // threads: no pageable copy (below) while a peer's stream may wait
 
