@@ -741,9 +741,7 @@ void* CudaExecutor::stream() const { return impl_->stream; }
 
 void CudaExecutor::set_stream(void* stream) {
   impl_->stream = static_cast<cudaStream_t>(stream);
-  auto& used = impl_->streams_used;
-  if (std::find(used.begin(), used.end(), impl_->stream) == used.end())
-    used.push_back(impl_->stream);
+  impl_->use_stream(impl_->stream);
 }
 
 void CudaExecutor::run(const Program& program, const Bindings& bindings) {
