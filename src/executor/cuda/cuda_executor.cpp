@@ -43,6 +43,7 @@
 #include "driver_api.hpp"
 #include "kernels.cuh"
 #include "net/group_schedule.hpp"
+#include "resolve.hpp"
 #include "tide/cuda.hpp"
 #include "tide/error.hpp"
 
@@ -757,15 +758,8 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
   // Past this point the window's epoch and network counters have moved: a failure while
   // enqueuing leaves this executor out of step with its peers, so it fails for good.
   try {
-    const std::function<std::byte*(const Address&)> resolve = [&](const Address& a) -> std::byte* {
-      switch (a.space) {
-        case Space::kWindow: return window.data(a.index) + a.offset;
-        case Space::kInput:
-          return const_cast<std::byte*>(static_cast<const std::byte*>(bindings.inputs[a.index])) +
-                 a.offset;
-        case Space::kOutput: return static_cast<std::byte*>(bindings.outputs[a.index]) + a.offset;
-      }
-      return nullptr;
+    const std::function<std::byte*(const Address&)> resolve = [&](const Address& a) {
+      return detail::resolve_address(a, bindings, [&](int r) { return window.data(r); });
     };
 
     const std::vector<Step>& steps = program.steps;

@@ -26,6 +26,7 @@
 
 #include "tide/error.hpp"
 #include "tide/executor.hpp"
+#include "../resolve.hpp"
 
 namespace tide {
 namespace {
@@ -566,15 +567,8 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
   const uint64_t tag = program.tag();
   Publisher publisher(*window_.state(rank), identity_, epoch, tag, program.steps.size());
 
-  auto resolve = [&](const Address& a) -> std::byte* {
-    switch (a.space) {
-      case Space::kWindow: return window_.data(a.index) + a.offset;
-      case Space::kInput:
-        return const_cast<std::byte*>(static_cast<const std::byte*>(bindings.inputs[a.index])) +
-               a.offset;
-      case Space::kOutput: return static_cast<std::byte*>(bindings.outputs[a.index]) + a.offset;
-    }
-    return nullptr;
+  auto resolve = [&](const Address& a) {
+    return detail::resolve_address(a, bindings, [&](int r) { return window_.data(r); });
   };
 
   // Sends posted and not yet known to be received: (peer, channel, number, offset, bytes).
