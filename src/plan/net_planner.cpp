@@ -231,27 +231,44 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
 
   // Phase 2: ring over rail peers, chunk by chunk. Block b = the chunk destined to rank b * L + l.
   const int next = ((n + 1) % N) * L + l, prev = ((n + N - 1) % N) * L + l;
+  const int ch = 1;
   const float scale = options.kind == ReduceKind::kAvg
                           ? options.postscale / static_cast<float>(layout.world())
                           : options.postscale;
   // The node's chunks [e0, e0 + cnt) of block b (the own gradient and the local ranks' slots), in
-  // local rank order, added onto `partial` (fp32, received from another node) when there is one,
-  // into an fp32 staging buffer or, for the final sum, into the output.
-  auto local_reduce = [&](int i, int b, int64_t e0, int64_t cnt, std::optional<std::size_t> partial,
-                          bool final_sum, std::size_t dst = 0) {
+  // local rank order, added onto what another node sent (`received`: an fp32 partial sum, or with
+  // `raw` that node's gradient in its own dtype, then the first source, so the sum runs in the same
+  // order and is bitwise the same), into an fp32 staging buffer or, for the final sum, the output.
+  auto local_reduce = [&](int i, int b, int64_t e0, int64_t cnt, std::optional<std::size_t> received,
+                          bool raw, bool final_sum, std::size_t dst = 0) {
     const ParamLayout& p = params[i];
     const Address out = final_sum ? Address{Space::kOutput, i, static_cast<std::size_t>(e0) * dtype_size(p.shard_dtype)}
                                   : win(rank, dst);
     ReduceOp op{i, {}, out, cnt, p.dtype, final_sum ? p.shard_dtype : DType::kFP32, options.prescale,
                 final_sum ? scale : 1.0f, final_sum && options.accumulate};
+    if (received && raw) op.sources.push_back(win(rank, *received));
     for (int q = 0; q < L; ++q)
       op.sources.push_back(q == l ? Address{Space::kInput, i, (b * L + l) * p.slot_bytes() + e0 * p.elem_size}
                                   : win(rank, p.slot_offset(b * L + q) + e0 * p.elem_size));
-    if (partial) op.partial = win(rank, *partial);
+    if (received && !raw) op.partial = win(rank, *received);
     program.steps.push_back({Phase::kReduce, std::move(op)});
   };
+  // With one rank per node the partial a node sends first is its own gradient alone: it goes on
+  // the wire as is (lossless, half of fp32's bytes for bf16 gradients, no reduce kernel), staged
+  // by a copy engine in the own slot of block b, which is vacated and which no peer writes.
+  const bool raw_first = L == 1;
+  auto wire_bytes = [&](int i, int step, int64_t cnt) {
+    return static_cast<std::size_t>(cnt) * (raw_first && step == 0 ? params[i].elem_size : 4);
+  };
+  auto send_raw = [&](int i, int b, int64_t e0, int64_t cnt, int to) {
+    const ParamLayout& p = params[i];
+    const Address slot = win(rank, p.slot_offset(b) + e0 * p.elem_size);
+    const std::size_t bytes = wire_bytes(i, 0, cnt);
+    program.steps.push_back(
+        {Phase::kPush, CopyBatch{{{slot, {Space::kInput, i, b * p.slot_bytes() + e0 * p.elem_size}, bytes}}}});
+    program.steps.push_back({Phase::kPush, NetSendOp{to, slot, bytes, ch}});
+  };
   int sent = 0;
-  const int ch = 1;
   if (net.rs_recursive_halving && (N & (N - 1)) == 0) {
     // Recursive halving per slice: a slice holds elements [e0, e0 + ce) of every block, one staging
     // slot per block (ce shrinks as 1/N so the staging stays (2 + ring_depth) chunks). At step k
@@ -279,16 +296,16 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
           for (int b : current)
             if (count_for(b) > 0) ((b & d) == (n & d) ? keep : send).push_back(b);
           auto do_send = [&](int b) {
-            if (step == 0) local_reduce(i, b, e0, count_for(b), std::nullopt, false, acc(b));
+            if (step == 0 && raw_first) return send_raw(i, b, e0, count_for(b), partner);
+            if (step == 0) local_reduce(i, b, e0, count_for(b), std::nullopt, false, false, acc(b));
             program.steps.push_back({Phase::kPush, NetSendOp{partner, win(rank, acc(b)),
                                                              static_cast<std::size_t>(count_for(b)) * 4, ch}});
           };
           auto do_recv = [&](int b) {
             const int64_t cnt = count_for(b);
-            program.steps.push_back({Phase::kPush, NetRecvOp{partner, win(rank, R),
-                                                             static_cast<std::size_t>(cnt) * 4, ch}});
-            if (step == 0) {  // the local chunks onto the received partial, in one pass
-              local_reduce(i, b, e0, cnt, R, last, acc(b));
+            program.steps.push_back({Phase::kPush, NetRecvOp{partner, win(rank, R), wire_bytes(i, step, cnt), ch}});
+            if (step == 0) {  // the local chunks onto what the partner sent, in one pass
+              local_reduce(i, b, e0, cnt, R, raw_first, last, acc(b));
               return;
             }
             const Address dst = last ? Address{Space::kOutput, i,
@@ -314,11 +331,14 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
     }
     return program;
   }
-  // The ring takes chunks two at a time, each with its own receive buffer, interleaved step by
-  // step: chunk B's transfer is in flight while chunk A is reduced and the other way round (the
-  // compute stream waits only for the group whose bytes it reads). As in a one-chunk ring, a send
-  // and the receive of the same chunk's next step are one run of network ops: the next node's
-  // matching group has the same shape, which NCCL's group semantics need (group_schedule.hpp).
+  // The ring runs two lanes, each with a receive buffer, taking alternate chunks. A lane runs a
+  // chunk's N steps one per round and starts its next chunk in the round of the last step, right
+  // after the final reduce has read the buffer. The lanes interleave round by round, so one
+  // lane's transfer is in flight while the other lane's chunk is reduced (the compute stream
+  // waits only for the group whose bytes it reads), and the next chunk's transfer does not wait
+  // for the previous chunk's final reduce. As in a one-chunk ring, a send and the receive of the
+  // same chunk's next step are one run of network ops: the next node's matching group has the
+  // same shape, which NCCL's group semantics need (group_schedule.hpp).
   struct Chunk {
     int i;
     int64_t e0;
@@ -332,31 +352,37 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
     return std::clamp<int64_t>(params[c.i].valid_numel(block_at(step) * L + l) - c.e0, 0, chunk_elems);
   };
   const std::size_t receive_buffer[2] = {R, R1};
-  for (std::size_t c0 = 0; c0 < chunks.size(); c0 += 2) {
-    const std::size_t pair = std::min<std::size_t>(2, chunks.size() - c0);
-    for (int step = 0; step < N; ++step) {
-      for (std::size_t k = 0; k < pair; ++k) {
-        const Chunk& c = chunks[c0 + k];
-        const int b = block_at(step);
-        const int64_t cnt = count_for(c, step);
-        const std::size_t bytes = static_cast<std::size_t>(cnt) * 4;
-        if (cnt > 0 && step == 0) {  // own partial of block b, straight to the next node
-          const std::size_t s = S(sent++ % net.ring_depth);
-          local_reduce(c.i, b, c.e0, cnt, std::nullopt, false, s);
-          program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
-        } else if (cnt > 0 && step < N - 1) {  // onto the partial received from the previous node
-          const std::size_t s = S(sent++ % net.ring_depth);
-          local_reduce(c.i, b, c.e0, cnt, receive_buffer[k], false, s);
-          program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), bytes, ch}});
-        } else if (cnt > 0) {  // the last step: the full sum of the own block, into the output
-          local_reduce(c.i, b, c.e0, cnt, receive_buffer[k], true);
-        }
-        const int64_t next_cnt = step + 1 < N ? count_for(c, step + 1) : 0;
-        if (next_cnt > 0)
-          program.steps.push_back({Phase::kPush, NetRecvOp{prev, win(rank, receive_buffer[k]),
-                                                           static_cast<std::size_t>(next_cnt) * 4, ch}});
-      }
+  // Chunk c at ring step `step`, in lane c % 2.
+  auto ring_step = [&](std::size_t ci, int step) {
+    const Chunk& c = chunks[ci];
+    const std::size_t rb = receive_buffer[ci % 2];
+    const int b = block_at(step);
+    const int64_t cnt = count_for(c, step);
+    const bool raw = raw_first && step == 1;  // what arrived was the previous node's gradient
+    if (cnt > 0 && step == 0 && raw_first) {  // own gradient, straight to the next node
+      send_raw(c.i, b, c.e0, cnt, next);
+    } else if (cnt > 0 && step < N - 1) {  // own partial (onto the received one), to the next node
+      const std::size_t s = S(sent++ % net.ring_depth);
+      local_reduce(c.i, b, c.e0, cnt, step == 0 ? std::nullopt : std::optional<std::size_t>(rb), raw,
+                   false, s);
+      program.steps.push_back({Phase::kPush, NetSendOp{next, win(rank, s), wire_bytes(c.i, step, cnt), ch}});
+    } else if (cnt > 0) {  // the last step: the full sum of the own block, into the output
+      local_reduce(c.i, b, c.e0, cnt, rb, raw, true);
     }
+    const int64_t next_cnt = step + 1 < N ? count_for(c, step + 1) : 0;
+    if (next_cnt > 0)
+      program.steps.push_back({Phase::kPush, NetRecvOp{prev, win(rank, rb), wire_bytes(c.i, step, next_cnt), ch}});
+  };
+  // Lane k's j-th chunk (chunks[2 j + k]) takes step s in round j (N - 1) + s; in a round, the
+  // lane's chunk that finishes (and frees the receive buffer) goes before the one that starts.
+  const std::size_t span = N - 1, per_lane = (chunks.size() + 1) / 2;
+  const std::size_t rounds = per_lane == 0 ? 0 : (per_lane - 1) * span + N;
+  for (std::size_t round = 0; round < rounds; ++round) {
+    const std::size_t last_j = round / span;
+    const std::size_t first_j = round % span == 0 && last_j > 0 ? last_j - 1 : last_j;
+    for (std::size_t k = 0; k < 2; ++k)
+      for (std::size_t j = first_j; j <= last_j; ++j)
+        if (2 * j + k < chunks.size()) ring_step(2 * j + k, static_cast<int>(round - j * span));
   }
   return program;
 }

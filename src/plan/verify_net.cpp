@@ -150,8 +150,14 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
               for (const CopyOp& c : op.copies) {
                 bounds(c.src, c.bytes, "copy source");
                 bounds(c.dst, c.bytes, "copy destination");
-                if (c.dst.space != Space::kWindow || c.dst.index == r ||
-                    topo.node_of(c.dst.index) != topo.node_of(r))
+                if (c.dst.space == Space::kWindow && c.dst.index == r) {
+                  // Staging the own gradient for the network (a reduce-scatter with one rank per
+                  // node): the exactly-once check below proves no peer writes those bytes.
+                  if (ag || c.src.space != Space::kInput)
+                    fail(program, s, "a copy into the own window only stages a gradient (reduce-scatter)");
+                  continue;
+                }
+                if (c.dst.space != Space::kWindow || topo.node_of(c.dst.index) != topo.node_of(r))
                   fail(program, s, "copies must write the window of a peer on the same node");
                 if (c.src.space == Space::kOutput ||
                     (c.src.space == Space::kWindow && c.src.index != r))
@@ -312,6 +318,11 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                 write(mem[r], op.dst.offset, bytes, l);
                 note_slot_write(r, op.dst.offset, bytes);
               } else if constexpr (std::is_same_v<T, CopyBatch>) {
+                for (const CopyOp& c : op.copies)  // into the own window: waits for the own sends
+                  if (c.dst.index == r && outstanding_overlap(r, c.dst.offset, c.bytes)) {
+                    blocked = true;
+                    return;
+                  }
                 for (const CopyOp& c : op.copies) {
                   if (c.bytes == 0) continue;
                   const int q = c.dst.index;
@@ -324,7 +335,7 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                                                  " carries the bytes of offset ", l.origin));
                   if (!ag && (!l.rs || l.elem_size != params[l.param].elem_size))
                     fail(prog, s, "copy does not carry gradient chunk bytes");
-                  l.writer = r;
+                  l.writer = q == r ? -1 : r;
                   write(mem[q], c.dst.offset, c.bytes, l);
                   note_slot_write(q, c.dst.offset, c.bytes);
                 }

@@ -92,20 +92,21 @@ TEST(ApiErrors, ReducePartialsOnlyInTheOwnWindowOfMultiNodePrograms) {
   reduces(p).at(0)->partial = Address{Space::kWindow, 0, 0};
   expect_error([&] { validate_run(p, {{in}, {out}}, 0, 2, sizeof window, window, true); },
                {"partial", "unset (single node)"});
-  BucketLayout two({{"w", {8, 2}}}, Topology{2, 1});
+  // Two ranks per node: the ring sends partial sums (with one, the raw gradient).
+  BucketLayout two({{"w", {8, 2}}}, Topology{2, 2});
   Program q = plan_reduce_scatter(two, 0, {}, 0);
   ReduceOp* fused = nullptr;
   for (ReduceOp* r : reduces(q))
     if (r->partial) fused = r;
   ASSERT_NE(fused, nullptr) << "the ring adds the local chunks onto the received partial";
   fused->partial->offset = sizeof window - 4;
-  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 2, sizeof window, window, true); },
+  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 4, sizeof window, window, true); },
                {"partial", "inside the window"});
   fused->partial->offset = 2;
-  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 2, sizeof window, window, true); },
+  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 4, sizeof window, window, true); },
                {"partial.offset = 2", "a multiple of 4"});
   fused->partial = Address{Space::kWindow, 1, 0};
-  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 2, sizeof window, window, true); },
+  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 4, sizeof window, window, true); },
                {"partial", "in the own window"});
 }
 

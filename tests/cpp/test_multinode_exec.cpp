@@ -79,6 +79,20 @@ TEST(MultinodeExec, VirtualNodesAgBitwiseRsToleranceAndReproducible) {
     }
 }
 
+TEST(MultinodeExec, TwoNodesOfOneRankEqualOneNodeBitwise) {
+  // W = 2: each output element is one fp32 addition of the two ranks' gradients, whether the
+  // raw gradient crossed the network (2 x 1) or a copy engine (1 x 2), so the results are equal.
+  std::mt19937_64 rng(5);
+  for (const bool halving : {false, true})
+    for (int iter = 0; iter < 3; ++iter) {
+      const auto specs = test::random_specs(rng, 2, 4, 1 << 11);
+      const NetOptions net{256, 2, 2, halving};
+      const auto two_nodes = run_case(BucketLayout(specs, Topology{2, 1}), net, 40 + iter, 1);
+      const auto one_node = run_case(BucketLayout(specs, Topology::single_node(2)), net, 40 + iter, 1);
+      for (int r = 0; r < 2; ++r) EXPECT_EQ(two_nodes[r][0], one_node[r][0]) << "rank " << r;
+    }
+}
+
 TEST(MultinodeExec, LlamaLikeBucketFp32Within1e6) {
   // bf16 params with fp32 masters, several chunks per param, 3 x 4 virtual nodes.
   BucketLayout layout({{"q", {96, 40}}, {"norm", {40}}, {"up", {130, 24}}}, Topology{3, 4});

@@ -66,6 +66,46 @@ TEST(MultinodePlan, AllGatherShape) {
   verify_programs(layout, plans(layout, Collective::kAllGather, net));
 }
 
+TEST(MultinodePlan, OneRankPerNodeSendsTheRawGradientFirst) {
+  // With one rank per node a node's first partial is its own gradient: it goes on the wire in its
+  // dtype (bf16: half of fp32's bytes), staged by a copy, with no reduce before the first send;
+  // later ring steps carry fp32 partial sums. With two ranks per node every send is fp32.
+  for (const bool halving : {false, true})
+    for (const Topology t : {Topology{2, 1}, Topology{4, 1}, Topology{2, 2}}) {
+      BucketLayout layout({{"w", {64, 32}, DType::kBF16}}, t);
+      NetOptions net{1024, 2, 2, halving};
+      const Program p = plan_reduce_scatter(layout, 0, {}, 1, net);
+      std::size_t first_send = 0, sent = 0, staged = 0, reduces_before_first_send = 0;
+      for (const Step& step : p.steps) {
+        if (const auto* x = std::get_if<NetSendOp>(&step.op)) {
+          if (first_send == 0) first_send = x->bytes;
+          sent += x->bytes;
+        }
+        if (first_send == 0) reduces_before_first_send += std::holds_alternative<ReduceOp>(step.op);
+        if (const auto* b = std::get_if<CopyBatch>(&step.op))
+          for (const CopyOp& c : b->copies) staged += c.dst.index == 0 ? c.bytes : 0;
+      }
+      const std::string where = p.to_string();
+      const std::size_t shard = 64 * 32 / t.world();  // elements of one block
+      if (t.local == 1) {
+        EXPECT_EQ(reduces_before_first_send, 0u) << where;
+        // One chunk of 1024 / 4 elements in bf16; halving's slices hold ring_depth chunks / N.
+        EXPECT_EQ(first_send, 2u * (halving ? std::min(256, 2 * 256 / t.nodes) : 256)) << where;
+        // Ring: the first of N - 1 steps is bf16; halving: the first step (half the blocks) is.
+        const int N = t.nodes;
+        const std::size_t expect = halving ? shard * 2 * (N / 2) + shard * 4 * (N / 2 - 1)
+                                           : shard * 2 + shard * 4 * (N - 2);
+        EXPECT_EQ(sent, expect) << where;
+        EXPECT_EQ(staged, halving ? shard * 2 * (N / 2) : shard * 2);
+      } else {
+        EXPECT_GT(reduces_before_first_send, 0u);
+        EXPECT_EQ(staged, 0u);
+        EXPECT_EQ(sent, shard * 4) << where;  // N = 2: one fp32 partial per element of a block
+      }
+      verify_programs(layout, plans(layout, Collective::kReduceScatter, net));
+    }
+}
+
 TEST(MultinodePlan, OneNodeIsTheSingleNodePlan) {
   BucketLayout layout({{"w", {16, 4}}}, Topology{1, 4});
   EXPECT_EQ(plan_all_gather(layout, 1, 0, NetOptions{}).to_string(), plan_all_gather(layout, 1, 0).to_string());

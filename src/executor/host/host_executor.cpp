@@ -589,7 +589,7 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
   };
   // Before a step writes own-window bytes [offset, offset + bytes): sends reading them complete.
   auto before_write = [&](const Address& a, std::size_t bytes, std::size_t index) {
-    if (a.space != Space::kWindow || pending.empty()) return;
+    if (a.space != Space::kWindow || a.index != rank || pending.empty()) return;
     for (auto it = pending.begin(); it != pending.end();) {
       if (it->offset < a.offset + bytes && a.offset < it->offset + it->bytes) {
         complete(*it, index);
@@ -656,6 +656,8 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
       }
       if (const auto* c = std::get_if<CastOp>(&step.op))
         before_write(c->dst, (c->count + c->pad) * dtype_size(c->dst_dtype), index);
+      else if (const auto* b = std::get_if<CopyBatch>(&step.op))
+        for (const CopyOp& c : b->copies) before_write(c.dst, c.bytes, index);
       else if (const auto* r = std::get_if<ReduceOp>(&step.op))
         before_write(r->dst, r->count * dtype_size(r->dst_dtype), index);
       publisher.publish(Status::kRunning, step.phase, index);
