@@ -44,7 +44,7 @@ static std::size_t net_bytes_sent(const Program& p) {
 }
 
 int main() {
-  const NetOptions net;  // 1 MiB chunks, 4 in flight, ring of 4
+  const NetOptions net;  // 16 MiB chunks, 4 in flight, ring of 4
   std::printf("# RS staging per rank at fixed per-rank output (70B layer shard at W = 64), "
               "chunk %zu B, ring %d\n", net.chunk_bytes, net.ring_depth);
   std::printf("%4s %7s %12s %14s %16s %9s %14s %14s %10s %16s %16s\n", "W", "topo", "shard_MB",

@@ -80,7 +80,7 @@ struct WaitOp {
   FlagKind kind;
 };
 
-// dst[k] (+)= scale * (partial[k] + sum_{p = 0..W-1, in this order} (prescale * float(sources[p][k]))),
+// dst[k] (+)= scale * (float(partial[k]) + sum_{p = 0..W-1, in this order} (prescale * float(sources[p][k]))),
 // k < count; without a partial the sum starts at 0. Accumulation is fp32, one rounding per
 // operation, no fused multiply-add: bitwise reproducible and identical on every executor.
 struct ReduceOp {
@@ -93,9 +93,10 @@ struct ReduceOp {
   float prescale;
   float scale;
   bool accumulate;
-  // Multi-node plans: an fp32 partial sum (received from another node) in the own window that the
+  // Multi-node plans: a partial sum (received from another node) in the own window that the
   // sources are added to, so a ring step reads the gradients once (no separate local partial).
   std::optional<Address> partial = std::nullopt;
+  DType partial_dtype = DType::kFP32;  // NetOptions::wire_dtype
 };
 
 // --- Network ops (between nodes; W = nodes x local, see Topology) ---
@@ -152,8 +153,12 @@ struct Program {
 // peer outstanding before it receives from it: bytes in flight per step and per peer are bounded by
 // chunk_bytes x max_chunks_in_flight. The reduce-scatter's staging ring has ring_depth send buffers
 // of one chunk (plus two receive buffers, so that one chunk's transfer overlaps another's reduce).
+//
+// The 16 MiB default: per-chunk costs (a send/recv group, a copy, a reduce launch) made 1 MiB
+// chunks 2.7x stock FSDP2's step time in tide.fsdp across two H200s over NCCL, 4 MiB 1.02x and
+// 16 MiB 0.69x (BENCHMARKS.md); staging is (2 + ring_depth) chunks of fp32 (96 MiB per window).
 struct NetOptions {
-  std::size_t chunk_bytes = std::size_t{1} << 20;  // multiple of 16, >= 16
+  std::size_t chunk_bytes = std::size_t{16} << 20;  // multiple of 16, >= 16
   int max_chunks_in_flight = 4;                    // in [1, kNetQueueDepth]
   int ring_depth = 4;                              // in [1, kNetQueueDepth]
   // Reduce-scatter phase 2 by recursive halving among rail peers instead of the ring (node counts
@@ -161,6 +166,11 @@ struct NetOptions {
   // of every node's partial, so slices shrink as 1/nodes (log2 nodes steps instead of nodes - 1).
   // Halving exchanges slices pairwise (one send, then one receive), whatever max_chunks_in_flight.
   bool rs_recursive_halving = false;
+  // The dtype of the reduce-scatter's partial sums on the wire between nodes: kFP32 (exact: every
+  // addition in fp32, as on one node) or kBF16, which is LOSSY: each partial sum is rounded to
+  // bf16 before it crosses the network (N - 1 roundings on the ring), for half the bytes;
+  // accumulation stays fp32. With one rank per node the first send is the raw gradient either way.
+  DType wire_dtype = DType::kFP32;
 };
 
 enum class ReduceKind : uint8_t { kSum, kAvg };

@@ -157,15 +157,18 @@ NB_MODULE(_tide, m) {
 
   nb::class_<NetOptions>(m, "NetOptions")
       .def("__init__", [](NetOptions* o, std::size_t chunk_bytes, int max_chunks_in_flight,
-                          int ring_depth, bool rs_recursive_halving) {
-        new (o) NetOptions{chunk_bytes, max_chunks_in_flight, ring_depth, rs_recursive_halving};
+                          int ring_depth, bool rs_recursive_halving, DType wire_dtype) {
+        new (o) NetOptions{chunk_bytes, max_chunks_in_flight, ring_depth, rs_recursive_halving,
+                           wire_dtype};
       }, "chunk_bytes"_a = NetOptions{}.chunk_bytes,
          "max_chunks_in_flight"_a = NetOptions{}.max_chunks_in_flight,
-         "ring_depth"_a = NetOptions{}.ring_depth, "rs_recursive_halving"_a = false)
+         "ring_depth"_a = NetOptions{}.ring_depth, "rs_recursive_halving"_a = false,
+         "wire_dtype"_a = NetOptions{}.wire_dtype)
       .def_rw("chunk_bytes", &NetOptions::chunk_bytes)
       .def_rw("max_chunks_in_flight", &NetOptions::max_chunks_in_flight)
       .def_rw("ring_depth", &NetOptions::ring_depth)
-      .def_rw("rs_recursive_halving", &NetOptions::rs_recursive_halving);
+      .def_rw("rs_recursive_halving", &NetOptions::rs_recursive_halving)
+      .def_rw("wire_dtype", &NetOptions::wire_dtype);
 
   nb::class_<Program>(m, "Program")
       .def_ro("window_bytes", &Program::window_bytes)

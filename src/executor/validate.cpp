@@ -179,9 +179,12 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
         CHECK(has_net && reduce->partial->space == Space::kWindow && reduce->partial->index == rank,
               detail::concat("steps[", i, "].partial"), "set",
               "unset (single node) or in the own window (multi-node)");
-        CHECK(reduce->partial->offset % 4 == 0, detail::concat("steps[", i, "].partial.offset"),
-              reduce->partial->offset, "a multiple of 4 (fp32)");
-        if (!check(i, "", -1, "partial", *reduce->partial, reduce->count * 4, false)) return false;
+        if (!check_dtype(i, "partial_dtype", reduce->partial_dtype)) return false;
+        const std::size_t size = dtype_size(reduce->partial_dtype);
+        CHECK(reduce->partial->offset % size == 0, detail::concat("steps[", i, "].partial.offset"),
+              reduce->partial->offset,
+              detail::concat("a multiple of ", size, " (", dtype_name(reduce->partial_dtype), ")"));
+        if (!check(i, "", -1, "partial", *reduce->partial, reduce->count * size, false)) return false;
       }
     }
   }

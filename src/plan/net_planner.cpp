@@ -26,6 +26,8 @@ void check_net(const NetOptions& net, const char* where) {
                  detail::concat("in [1, ", kNetQueueDepth, "]"));
   TIDE_CHECK_ARG(net.ring_depth >= 1 && net.ring_depth <= kNetQueueDepth, where, "net.ring_depth",
                  net.ring_depth, detail::concat("in [1, ", kNetQueueDepth, "]"));
+  TIDE_CHECK_ARG(net.wire_dtype == DType::kFP32 || net.wire_dtype == DType::kBF16, where,
+                 "net.wire_dtype", static_cast<int>(net.wire_dtype), "fp32 or bf16");
 }
 
 // Local peers of `rank` on its node, staggered (local + 1, local + 2, ...).
@@ -232,6 +234,8 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   // Phase 2: ring over rail peers, chunk by chunk. Block b = the chunk destined to rank b * L + l.
   const int next = ((n + 1) % N) * L + l, prev = ((n + N - 1) % N) * L + l;
   const int ch = 1;
+  const DType wire = net.wire_dtype;  // of partial sums between nodes
+  const std::size_t wire_size = dtype_size(wire);
   const float scale = options.kind == ReduceKind::kAvg
                           ? options.postscale / static_cast<float>(layout.world())
                           : options.postscale;
@@ -244,13 +248,13 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
     const ParamLayout& p = params[i];
     const Address out = final_sum ? Address{Space::kOutput, i, static_cast<std::size_t>(e0) * dtype_size(p.shard_dtype)}
                                   : win(rank, dst);
-    ReduceOp op{i, {}, out, cnt, p.dtype, final_sum ? p.shard_dtype : DType::kFP32, options.prescale,
+    ReduceOp op{i, {}, out, cnt, p.dtype, final_sum ? p.shard_dtype : wire, options.prescale,
                 final_sum ? scale : 1.0f, final_sum && options.accumulate};
     if (received && raw) op.sources.push_back(win(rank, *received));
     for (int q = 0; q < L; ++q)
       op.sources.push_back(q == l ? Address{Space::kInput, i, (b * L + l) * p.slot_bytes() + e0 * p.elem_size}
                                   : win(rank, p.slot_offset(b * L + q) + e0 * p.elem_size));
-    if (received && !raw) op.partial = win(rank, *received);
+    if (received && !raw) op.partial = win(rank, *received), op.partial_dtype = wire;
     program.steps.push_back({Phase::kReduce, std::move(op)});
   };
   // With one rank per node the partial a node sends first is its own gradient alone: it goes on
@@ -258,7 +262,7 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   // by a copy engine in the own slot of block b, which is vacated and which no peer writes.
   const bool raw_first = L == 1;
   auto wire_bytes = [&](int i, int step, int64_t cnt) {
-    return static_cast<std::size_t>(cnt) * (raw_first && step == 0 ? params[i].elem_size : 4);
+    return static_cast<std::size_t>(cnt) * (raw_first && step == 0 ? params[i].elem_size : wire_size);
   };
   auto send_raw = [&](int i, int b, int64_t e0, int64_t cnt, int to) {
     const ParamLayout& p = params[i];
@@ -299,7 +303,7 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
             if (step == 0 && raw_first) return send_raw(i, b, e0, count_for(b), partner);
             if (step == 0) local_reduce(i, b, e0, count_for(b), std::nullopt, false, false, acc(b));
             program.steps.push_back({Phase::kPush, NetSendOp{partner, win(rank, acc(b)),
-                                                             static_cast<std::size_t>(count_for(b)) * 4, ch}});
+                                                             wire_bytes(i, step, count_for(b)), ch}});
           };
           auto do_recv = [&](int b) {
             const int64_t cnt = count_for(b);
@@ -312,8 +316,8 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
                                                static_cast<std::size_t>(e0) * dtype_size(p.shard_dtype)}
                                      : win(rank, acc(b));
             program.steps.push_back(
-                {Phase::kReduce, ReduceOp{i, {win(rank, acc(b)), win(rank, R)}, dst, cnt, DType::kFP32,
-                                          last ? p.shard_dtype : DType::kFP32, 1.0f,
+                {Phase::kReduce, ReduceOp{i, {win(rank, acc(b)), win(rank, R)}, dst, cnt, wire,
+                                          last ? p.shard_dtype : wire, 1.0f,
                                           last ? scale : 1.0f, last && options.accumulate}});
           };
           // Pairwise (send k, receive k): the partner mirrors it, so each pair is one exchange

@@ -74,7 +74,7 @@ std::string Program::to_string() const {
                << op.scale << (op.accumulate ? ", += into " : ", into ") << op.dst << "\n";
             os << "      sources:";
             for (const Address& a : op.sources) os << ' ' << a;
-            if (op.partial) os << "\n      onto the fp32 partial " << *op.partial;
+            if (op.partial) os << "\n      onto the " << dtype_name(op.partial_dtype) << " partial " << *op.partial;
             os << "\n";
           }
         },

@@ -198,7 +198,9 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
               if (op.dst.space == Space::kInput || (op.dst.space == Space::kWindow && op.dst.index != r))
                 fail(program, s, "reduces write the own window or an output");
               if (op.partial) {
-                bounds(*op.partial, op.count * 4, "reduce partial");
+                if (op.partial_dtype != DType::kFP32 && op.partial_dtype != DType::kBF16)
+                  fail(program, s, "a reduce's partial is fp32 or bf16");
+                bounds(*op.partial, op.count * dtype_size(op.partial_dtype), "reduce partial");
                 if (op.partial->space != Space::kWindow || op.partial->index != r)
                   fail(program, s, "a reduce's partial is in the own window");
               }
@@ -359,11 +361,12 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
               } else {  // ReduceOp
                 Label acc;
                 bool started = false;
-                if (op.partial) {  // an fp32 partial sum of the same chunk
-                  acc = read(prog, s, op.partial->offset, op.count * 4);
-                  if (!acc.rs || acc.param != op.param || acc.elem_size != 4)
-                    fail(prog, s, detail::concat("reduce partial is not an fp32 partial sum of param ",
-                                                 op.param));
+                if (op.partial) {  // a partial sum of the same chunk, in the wire dtype
+                  const std::size_t size = dtype_size(op.partial_dtype);
+                  acc = read(prog, s, op.partial->offset, op.count * size);
+                  if (!acc.rs || acc.param != op.param || acc.elem_size != size)
+                    fail(prog, s, detail::concat("reduce partial is not a ", dtype_name(op.partial_dtype),
+                                                 " partial sum of param ", op.param));
                   started = true;
                 }
                 for (std::size_t k = 0; k < op.sources.size(); ++k) {

@@ -17,8 +17,9 @@ struct Case {
   NetOptions net;
 };
 
-// AG then RS `repeats` times over one window per rank; AG bitwise, RS within 1e-6 of fp64; returns
-// every rank's RS outputs of each repeat.
+// AG then RS `repeats` times over one window per rank; AG bitwise, RS within 1e-6 of fp64 (with
+// bf16 partials on the wire: within one bf16 rounding per node of each element's magnitude);
+// returns every rank's RS outputs of each repeat.
 std::vector<std::vector<std::vector<std::byte>>> run_case(const BucketLayout& layout,
                                                           const NetOptions& net, uint64_t seed,
                                                           int repeats) {
@@ -46,7 +47,10 @@ std::vector<std::vector<std::vector<std::byte>>> run_case(const BucketLayout& la
       for (auto& b : rsb.outputs) std::fill(b.bytes.begin(), b.bytes.end(), std::byte{0x7F});
       executor.run(rs, rsb.bindings);
       const std::string rserr = test::check_result(layout, Collective::kReduceScatter, rank, seed,
-                                                   window->data(rank), rsb, o);
+                                                   window->data(rank), rsb, o,
+                                                   net.wire_dtype == DType::kBF16
+                                                       ? layout.topology().nodes * std::ldexp(1.0, -8)
+                                                       : 0);
       ASSERT_EQ(rserr, "") << layout.describe();
       std::vector<std::byte> all;
       for (auto& b : rsb.outputs) all.insert(all.end(), b.bytes.begin(), b.bytes.end());
@@ -60,7 +64,10 @@ TEST(MultinodeExec, VirtualNodesAgBitwiseRsToleranceAndReproducible) {
   const Case cases[] = {{{2, 4}, {}}, {{4, 2}, {256, 2, 2}}, {{8, 1}, {64, 1, 1}},
                         {{3, 2}, {128, 3, 2}}, {{3, 4}, {512, 4, 4}}, {{5, 1}, {96, 2, 3}},
                         // reduce-scatter phase 2 by recursive halving (power-of-two node counts)
-                        {{2, 4}, {64, 2, 2, true}}, {{4, 2}, {256, 3, 1, true}}, {{8, 1}, {128, 1, 4, true}}};
+                        {{2, 4}, {64, 2, 2, true}}, {{4, 2}, {256, 3, 1, true}}, {{8, 1}, {128, 1, 4, true}},
+                        // bf16 partials on the wire (lossy)
+                        {{4, 2}, {256, 2, 2, false, DType::kBF16}}, {{2, 4}, {64, 2, 2, true, DType::kBF16}},
+                        {{5, 1}, {96, 2, 3, false, DType::kBF16}}};
   std::mt19937_64 rng(11);
   for (const Case& c : cases)
     for (int iter = 0; iter < 3; ++iter) {
@@ -91,6 +98,26 @@ TEST(MultinodeExec, TwoNodesOfOneRankEqualOneNodeBitwise) {
       const auto one_node = run_case(BucketLayout(specs, Topology::single_node(2)), net, 40 + iter, 1);
       for (int r = 0; r < 2; ++r) EXPECT_EQ(two_nodes[r][0], one_node[r][0]) << "rank " << r;
     }
+}
+
+TEST(MultinodeExec, Bf16WireHalvesThePartialBytesAndRoundsThem) {
+  // Two ranks per node: every partial sum crosses the network; in bf16 they take half the bytes,
+  // and the rounding shows in the result (lossy, as documented), within its bound (run_case).
+  const std::vector<ParamSpec> specs = {{"w", {64, 48}, DType::kBF16}, {"b", {40}, DType::kBF16}};
+  const BucketLayout layout(specs, Topology{2, 2});
+  NetOptions fp32{512, 2, 2}, bf16 = fp32;
+  bf16.wire_dtype = DType::kBF16;
+  auto wire = [&](const NetOptions& net) {
+    std::size_t bytes = 0;
+    for (const Step& s : plan_reduce_scatter(layout, 0, {}, 1, net).steps)
+      if (const auto* x = std::get_if<NetSendOp>(&s.op)) bytes += x->bytes;
+    return bytes;
+  };
+  EXPECT_EQ(2 * wire(bf16), wire(fp32));
+  const auto exact = run_case(layout, fp32, 9, 1), lossy = run_case(layout, bf16, 9, 1);
+  int differing = 0;
+  for (int r = 0; r < layout.world(); ++r) differing += exact[r][0] != lossy[r][0];
+  EXPECT_GT(differing, 0) << "no rank's result shows the bf16 rounding";
 }
 
 TEST(MultinodeExec, LlamaLikeBucketFp32Within1e6) {

@@ -24,12 +24,13 @@ std::vector<Program> plans(const BucketLayout& layout, Collective c, const NetOp
 TEST(MultinodePlan, VerifiesRandomBucketsOnEveryTopology) {
   std::mt19937_64 rng(2026);
   const NetOptions nets[] = {{},           {256, 1, 1},       {64, 2, 3},       {1024, 16, 16},
-                             {64, 2, 3, true}, {256, 1, 1, true}};  // RS by recursive halving
+                             {64, 2, 3, true}, {256, 1, 1, true},  // RS by recursive halving
+                             {64, 2, 2, false, DType::kBF16}, {128, 2, 2, true, DType::kBF16}};
   int checked = 0;
   for (const Topology& t : kTopologies)
     for (int iter = 0; iter < 40; ++iter) {
       BucketLayout layout(test::random_specs(rng, t.world(), 4, 1 << 12), t);
-      const NetOptions& net = nets[iter % 6];
+      const NetOptions& net = nets[iter % 8];
       for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
         const auto set = plans(layout, c, net);
         ASSERT_NO_THROW(verify_programs(layout, set))
@@ -222,6 +223,13 @@ TEST(MultinodePlan, RejectsBadNetOptions) {
   EXPECT_THROW(plan_all_gather(layout, 0, 0, NetOptions{10, 1, 1}), InvalidArgument);
   EXPECT_THROW(plan_all_gather(layout, 0, 0, NetOptions{64, 0, 1}), InvalidArgument);
   EXPECT_THROW(plan_reduce_scatter(layout, 0, {}, 0, NetOptions{64, 1, kNetQueueDepth + 1}), InvalidArgument);
+  try {
+    plan_reduce_scatter(layout, 0, {}, 0, NetOptions{64, 1, 1, false, DType::kFP16});
+    FAIL() << "accepted an fp16 wire";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("wire_dtype"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fp32 or bf16"), std::string::npos) << e.what();
+  }
 }
 
 // Executors without a network transport (a CUDA executor with neither an NcclComm nor a

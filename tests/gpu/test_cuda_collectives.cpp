@@ -150,7 +150,8 @@ void check_scenario(const Scenario& s, const std::string& dir) {
           for (int64_t k = 0; k < p.valid_numel(r); ++k)
             got[k] = load_as_float(reference[r][j].data() + offset, p.shard_dtype, k);
           offset += p.valid_numel(r) * dtype_size(p.shard_dtype);
-          EXPECT_EQ(check_against_fp64(got, ref[i], s.world, p.shard_dtype), "")
+          const int wire_roundings = s.net.wire_dtype == DType::kBF16 ? s.nodes : 0;
+          EXPECT_EQ(check_against_fp64(got, ref[i], s.world, p.shard_dtype, wire_roundings), "")
               << "W=" << s.world << " rank " << r << " invocation " << j << " param " << i
               << " (" << p.name << ", " << dtype_name(p.dtype) << " -> "
               << dtype_name(p.shard_dtype) << ", " << got.size() << " elements)";
@@ -330,8 +331,9 @@ TEST(CudaCollectives, AcrossNodesOverNccl) {
 // Virtual nodes on one GPU (issue 6's one-GPU check): ranks as processes sharing GPU 0 (all GPUs
 // where several exist), windows mapped by every rank, network ops over CUDA IPC. The shapes of
 // the CPU suite (W = 8 as 2x4, 4x2, 8x1; W = 6 as 3x2; W = 12 as 3x4; W = 2 as 2x1) and both reduce-scatter
-// algorithms, small chunks and pacing so each bucket takes many network steps: bitwise equal to
-// the host executor running the same programs over its host transport, and within 1e-6 of fp64.
+// algorithms, fp32 and bf16 partials on the wire, small chunks and pacing so each bucket takes many
+// network steps: bitwise equal to the host executor running the same programs over its host
+// transport, and within 1e-6 of fp64 (a bf16 wire: within its roundings).
 TEST(CudaCollectives, VirtualNodesOverIpc) {
   TIDE_REQUIRE_GPU();
   std::mt19937_64 rng(6500);
@@ -345,6 +347,9 @@ TEST(CudaCollectives, VirtualNodesOverIpc) {
                              Shape{8, 1, NetOptions{2048, 1, 2, false}},
                              Shape{3, 2, NetOptions{4096, 2, 2, true}},
                              Shape{3, 4, NetOptions{}},
+                             // bf16 partials on the wire (lossy), ring and halving
+                             Shape{4, 2, NetOptions{1024, 2, 2, false, DType::kBF16}},
+                             Shape{2, 4, NetOptions{4096, 2, 2, true, DType::kBF16}},
                              // 256 B chunks: one network group carries more sends to a peer
                              // than a mailbox holds (kNetQueueDepth)
                              Shape{2, 1, NetOptions{256, 4, 2, false}}}) {
@@ -360,11 +365,12 @@ TEST(CudaCollectives, VirtualNodesOverIpc) {
     s.reach = CudaReach::kHost;
     SCOPED_TRACE(testing::Message() << "W=" << world << " as " << shape.nodes << "x" << shape.local
                                     << ", chunk " << shape.net.chunk_bytes << ", halving "
-                                    << shape.net.rs_recursive_halving);
+                                    << shape.net.rs_recursive_halving << ", wire "
+                                    << dtype_name(shape.net.wire_dtype));
     run_and_check(s);
     ++cases;
   }
-  EXPECT_EQ(cases, 6);
+  EXPECT_EQ(cases, 8);
 }
 
 // VMM windows (cuMemCreate, descriptors passed between processes): the same collectives, bitwise.

@@ -197,6 +197,20 @@ def test_multinode_plans_run_on_the_host_transport():
         np.testing.assert_array_equal(results[r], full[start:start + results[r].size])
 
 
+def test_bf16_wire_is_an_option_and_fp16_is_refused():
+    """NetOptions.wire_dtype: bf16 partial sums between nodes (lossy, half the bytes); only fp32
+    and bf16 are accepted, with the offending value in the message."""
+    layout = tide.BucketLayout([tide.ParamSpec("w", [16, 8])], tide.Topology(2, 2))
+    assert tide.NetOptions().wire_dtype == tide.DType.fp32
+    fp32 = tide.plan_reduce_scatter(layout, 0, tide.ReduceOptions(), 1, tide.NetOptions(chunk_bytes=64))
+    bf16 = tide.plan_reduce_scatter(layout, 0, tide.ReduceOptions(), 1,
+                                    tide.NetOptions(chunk_bytes=64, wire_dtype=tide.DType.bf16))
+    assert "onto the bf16 partial" in str(bf16) and "onto the fp32 partial" in str(fp32)
+    with pytest.raises(ValueError, match="wire_dtype.*fp32 or bf16"):
+        tide.plan_reduce_scatter(layout, 0, tide.ReduceOptions(), 1,
+                                 tide.NetOptions(wire_dtype=tide.DType.fp16))
+
+
 def test_missing_nccl_is_a_clear_error():
     env = dict(os.environ, TIDE_NCCL_LIB="/nonexistent/libnccl.so.2")
     code = ("import tide\ntry:\n    tide.nccl_version()\nexcept RuntimeError as e:\n"

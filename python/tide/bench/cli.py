@@ -61,8 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--network", choices=("auto", "ipc", "nccl"), default="auto",
                    help="with --ranks-per-node on GPUs: what carries TIDE's steps between nodes "
                         "(auto: CUDA IPC on one host, else NCCL)")
-    f.add_argument("--chunk-mib", type=_positive("chunk-mib"), default=1,
+    f.add_argument("--chunk-mib", type=_positive("chunk-mib"), default=16,
                    help="network chunk size across nodes, MiB (with --ranks-per-node)")
+    f.add_argument("--wire-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="with --ranks-per-node: the dtype of reduce-scatter partial sums between "
+                        "nodes (bf16 is lossy: each partial is rounded before it is sent)")
     f.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (step-time breakdown, memory) here")
     f.add_argument("--no-progress", action="store_true")
 
@@ -104,6 +107,7 @@ def _fsdp(args, parser, device) -> int:
     mp = args.mp or ("fp32" if device == "cpu" else "bf16")
     opts = {"device": device, "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
             "ranks_per_node": args.ranks_per_node, "chunk_bytes": args.chunk_mib * MIB,
+            "wire_dtype": args.wire_dtype,
             "network": args.network,
             "seq": args.seq, "progress": not args.no_progress}
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
@@ -127,6 +131,7 @@ def _fsdp(args, parser, device) -> int:
     summary = {"model": model_name, "config": cfg.as_dict(), "world": len(stock), "device": device,
                "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
                "ranks_per_node": args.ranks_per_node, "network": args.network,
+               "chunk_mib": args.chunk_mib, "wire_dtype": args.wire_dtype,
                "stock": merged(stock), "tide": merged(tide_runs),
                "max_abs_diff": compare(stock, tide_runs), "torch": torch.__version__}
     print(report.fsdp_table(summary))

@@ -148,7 +148,8 @@ def _train(rank: int, mode: str, cfg: LlamaConfig, device: str, world: int, opts
         kwargs = {}
         if opts.get("ranks_per_node"):
             kwargs = {"ranks_per_node": opts["ranks_per_node"],
-                      "net": tide.NetOptions(chunk_bytes=opts["chunk_bytes"]),
+                      "net": tide.NetOptions(chunk_bytes=opts["chunk_bytes"],
+                                             wire_dtype=getattr(tide.DType, opts["wire_dtype"])),
                       "network": opts.get("network", "auto")}
         handle = tide.fsdp.enable(model, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

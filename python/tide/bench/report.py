@@ -11,7 +11,9 @@ def fsdp_table(summary: dict) -> str:
     s, t = summary["stock"], summary["tide"]
     nodes = summary.get("ranks_per_node")
     network = f", network {summary.get('network', 'auto')}" if summary["device"] == "cuda" else ""
-    where = f" (TIDE: nodes of {nodes} ranks{network})" if nodes else ""
+    wire = ", bf16 partials on the wire (lossy)" if summary.get("wire_dtype") == "bf16" else ""
+    chunks = f", {summary['chunk_mib']} MiB chunks" if "chunk_mib" in summary else ""
+    where = f" (TIDE: nodes of {nodes} ranks{network}{chunks}{wire})" if nodes else ""
     lines = [f"# tide-bench fsdp: {summary['model']}, W = {summary['world']}{where}, {summary['device']}, "
              f"mp {summary['mp']}, median of {summary['steps']} steps after {summary['warmup']} warm-up",
              f"{'':<34} {'stock FSDP2':>14} {'TIDE':>14} {'TIDE/stock':>11}"]

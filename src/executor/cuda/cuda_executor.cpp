@@ -846,7 +846,8 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
           }
           if (reduce.partial) {
             const std::byte* partial = resolve(*reduce.partial);
-            read_here.push_back({partial, partial + static_cast<std::size_t>(reduce.count) * 4});
+            read_here.push_back(
+                {partial, partial + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.partial_dtype)});
           }
           for (const Span& r : read_here)
             for (const Span& w : writes) depends |= w.overlaps(r);
@@ -859,11 +860,11 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
         std::vector<cuda_kernels::ReduceSpec> reduces;
         for (std::size_t k = 0; k < batch.size(); ++k) {
           const ReduceOp& reduce = std::get<ReduceOp>(steps[batch[k]].op);
-          const float* partial =
-              reduce.partial ? reinterpret_cast<const float*>(resolve(*reduce.partial)) : nullptr;
+          const void* partial = reduce.partial ? resolve(*reduce.partial) : nullptr;
           reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), partial, reduce.count,
                              reduce.prescale, reduce.scale, reduce.accumulate,
-                             element_type(reduce.src_dtype), element_type(reduce.dst_dtype)});
+                             element_type(reduce.src_dtype), element_type(reduce.dst_dtype),
+                             element_type(reduce.partial_dtype)});
         }
         d.launch_timed(KernelKind::kReduce, d.stream, [&] {
           return cuda_kernels::launch_reduces(reduces.data(), reduces.size(),

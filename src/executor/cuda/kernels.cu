@@ -36,7 +36,7 @@ struct CastTable {
 
 struct ReduceTask {
   void* dst;
-  const float* partial;  // nullptr: the sum starts at 0
+  const void* partial;  // nullptr: the sum starts at 0
   int64_t count;
   int64_t tile_begin;
   float prescale;
@@ -46,6 +46,7 @@ struct ReduceTask {
   uint8_t dst_type;
   uint8_t accumulate;
   uint8_t vectorized;
+  uint8_t partial_type;  // kFP32 or kBF16
 };
 
 template <int kTasks, int kSources>
@@ -122,7 +123,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_kernel(const __grid_co
 template <ElementType Src, ElementType Dst>
 __device__ __forceinline__ void reduce_scalar(const ReduceTask& task, const void* const* sources,
                                               int num_sources, int64_t k) {
-  float acc = task.partial ? task.partial[k] : 0.0f;
+  float acc = !task.partial                  ? 0.0f
+              : task.partial_type == kBF16 ? load_scalar<kBF16>(task.partial, k)
+                                           : load_scalar<kFP32>(task.partial, k);
   for (int p = 0; p < num_sources; ++p)
     acc = __fadd_rn(acc, __fmul_rn(load_scalar<Src>(sources[p], k), task.prescale));
   float result = __fmul_rn(acc, task.scale);
@@ -132,7 +135,9 @@ __device__ __forceinline__ void reduce_scalar(const ReduceTask& task, const void
 
 // The 8 sums starting at element e: the task's partial, or 0.
 __device__ __forceinline__ void start_sum(const ReduceTask& task, int64_t e, float (&acc)[8]) {
-  if (task.partial) {
+  if (task.partial && task.partial_type == kBF16) {
+    load8<kBF16>(task.partial, e, acc);
+  } else if (task.partial) {
     load8<kFP32>(task.partial, e, acc);
   } else {
 #pragma unroll
@@ -419,8 +424,11 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
       vectorized = vectorized && aligned16(s.sources[p]);
       sources.push_back(s.sources[p]);
     }
+    TIDE_CHECK_ARG(!s.partial || s.partial_type == kFP32 || s.partial_type == kBF16,
+                   "launch_reduces", "partial_type", static_cast<int>(s.partial_type), "fp32 or bf16");
     tasks.push_back({s.dst, s.partial, s.count, 0, s.prescale, s.scale, 0, s.src_type, s.dst_type,
-                     static_cast<uint8_t>(s.accumulate), static_cast<uint8_t>(vectorized)});
+                     static_cast<uint8_t>(s.accumulate), static_cast<uint8_t>(vectorized),
+                     static_cast<uint8_t>(s.partial_type)});
   }
   LaunchInfo info;
   const bool small_fits = num_sources * 16 <= 256;

@@ -33,13 +33,14 @@ struct CastSpec {
 struct ReduceSpec {
   const void* const* sources;  // num_sources pointers (host array; copied into the launch)
   void* dst;
-  const float* partial;        // fp32 the sum starts from, or nullptr (ReduceOp::partial)
+  const void* partial;         // what the sum starts from (partial_type), or nullptr (ReduceOp::partial)
   int64_t count;
   float prescale;
   float scale;
   bool accumulate;
   ElementType src_type;
   ElementType dst_type;
+  ElementType partial_type;  // kFP32 or kBF16
 };
 
 struct LaunchInfo {

@@ -686,7 +686,7 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
         std::byte* dst = resolve(reduce->dst);
         const std::byte* partial = reduce->partial ? resolve(*reduce->partial) : nullptr;
         for (int64_t k = 0; k < reduce->count; ++k) {
-          float acc = partial ? load_as_float(partial, DType::kFP32, k) : 0.0f;
+          float acc = partial ? load_as_float(partial, reduce->partial_dtype, k) : 0.0f;
           for (const std::byte* src : sources)
             acc = acc + load_as_float(src, reduce->src_dtype, k) * reduce->prescale;
           float result = acc * reduce->scale;

@@ -40,7 +40,9 @@ Access access_of(const Step& step, int rank) {
   } else if (const auto* reduce = std::get_if<ReduceOp>(&step.op)) {
     for (const Address& s : reduce->sources)
       add(a.reads, s, static_cast<std::size_t>(reduce->count) * dtype_size(reduce->src_dtype));
-    if (reduce->partial) add(a.reads, *reduce->partial, static_cast<std::size_t>(reduce->count) * 4);
+    if (reduce->partial)
+      add(a.reads, *reduce->partial,
+          static_cast<std::size_t>(reduce->count) * dtype_size(reduce->partial_dtype));
     const std::size_t out = static_cast<std::size_t>(reduce->count) * dtype_size(reduce->dst_dtype);
     add(a.writes, reduce->dst, out);
     if (reduce->accumulate) add(a.reads, reduce->dst, out);
