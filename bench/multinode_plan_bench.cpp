@@ -47,9 +47,9 @@ int main() {
   const NetOptions net;  // 16 MiB chunks, 4 in flight, ring of 4
   std::printf("# RS staging per rank at fixed per-rank output (70B layer shard at W = 64), "
               "chunk %zu B, ring %d\n", net.chunk_bytes, net.ring_depth);
-  std::printf("%4s %7s %12s %14s %16s %9s %14s %14s %10s %16s %16s\n", "W", "topo", "shard_MB",
+  std::printf("%4s %7s %12s %14s %16s %9s %14s %14s %18s %10s %16s %16s\n", "W", "topo", "shard_MB",
               "tide_stage_MB", "stock_fp32_MB", "ratio", "AG_net_MB/rk", "RS_net_MB/rk",
-              "plan_ms", "RS_sends_ring", "RS_sends_halv");
+              "RS_net_bf16wire", "plan_ms", "RS_sends_ring", "RS_sends_halv");
   for (int world : {2, 4, 8, 16, 32, 64}) {
     const int local = world >= 16 ? 8 : world / 2;
     const Topology t{world / local, local};
@@ -68,11 +68,14 @@ int main() {
       std::fprintf(stderr, "halving staging or bytes differ from the ring\n");
       return 1;
     }
+    NetOptions bf16_wire = net;
+    bf16_wire.wire_dtype = DType::kBF16;  // lossy: partial sums rounded to bf16 on the wire
+    const Program rs_b = plan_reduce_scatter(layout, 0, {}, 0, bf16_wire);
     const std::size_t stock = stock_rs_buffer_bytes(layout);
-    std::printf("%4d %4dx%-2d %12.1f %14.2f %16.1f %8.0fx %14.1f %14.1f %10.2f %16zu %16zu\n", world,
-                t.nodes, t.local, shard / 1e6, tide / 1e6, stock / 1e6, double(stock) / tide,
-                net_bytes_sent(ag) / 1e6, net_bytes_sent(rs) / 1e6, ms, net_sends(rs),
-                net_sends(rs_h));
+    std::printf("%4d %4dx%-2d %12.1f %14.2f %16.1f %8.1fx %14.1f %14.1f %18.1f %10.2f %16zu %16zu\n",
+                world, t.nodes, t.local, shard / 1e6, tide / 1e6, stock / 1e6, double(stock) / tide,
+                net_bytes_sent(ag) / 1e6, net_bytes_sent(rs) / 1e6, net_bytes_sent(rs_b) / 1e6, ms,
+                net_sends(rs), net_sends(rs_h));
   }
   return 0;
 }

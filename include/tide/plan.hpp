@@ -207,8 +207,10 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
 // a ring among rail peers over fp32 partials, in chunks through a fixed staging ring at the end of
 // the window: node n reduces the local slots of a chunk into an fp32 partial, adds the partial it
 // received from node n - 1, and sends the sum to node n + 1; after N - 1 steps it holds the full sum
-// of its own chunk and writes the output. Staging is constant in W (rs_staging_bytes); the window
-// of a multi-node reduce-scatter program is layout.window_bytes() + rs_staging_bytes().
+// of its own chunk and writes the output. Partial sums cross the network in net.wire_dtype; with
+// one rank per node the first step sends the raw gradient instead (the whole partial: lossless),
+// staged by a copy into the own vacated slot. Staging is constant in W (rs_staging_bytes); the
+// window of a multi-node reduce-scatter program is layout.window_bytes() + rs_staging_bytes().
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
                         const NetOptions& net);
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
