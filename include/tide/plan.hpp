@@ -168,8 +168,9 @@ struct NetOptions {
   bool rs_recursive_halving = false;
   // The dtype of the reduce-scatter's partial sums on the wire between nodes: kFP32 (exact: every
   // addition in fp32, as on one node) or kBF16, which is LOSSY: each partial sum is rounded to
-  // bf16 before it crosses the network (N - 1 roundings on the ring), for half the bytes;
-  // accumulation stays fp32. With one rank per node the first send is the raw gradient either way.
+  // bf16 before it crosses the network (on the ring N - 1 roundings, N - 2 with one rank per node,
+  // whose first send is the raw gradient either way; recursive halving also keeps its running
+  // partial in bf16), for half the bytes; each addition stays fp32. Staging stays sized for fp32.
   DType wire_dtype = DType::kFP32;
 };
 
@@ -204,9 +205,9 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
 //
 // Reduce-scatter in two phases: (1) node-local: every rank pushes its gradient chunks destined to
 // rail l (ranks m * local + l of every node m) into local rank l's vacated slots; (2) across nodes,
-// a ring among rail peers over fp32 partials, in chunks through a fixed staging ring at the end of
-// the window: node n reduces the local slots of a chunk into an fp32 partial, adds the partial it
-// received from node n - 1, and sends the sum to node n + 1; after N - 1 steps it holds the full sum
+// a ring among rail peers over partial sums, in chunks through a fixed staging ring at the end of
+// the window: node n reduces the local slots of a chunk onto the partial it received from node
+// n - 1 (one pass, fp32 arithmetic) and sends the sum to node n + 1; after N - 1 steps it holds the full sum
 // of its own chunk and writes the output. Partial sums cross the network in net.wire_dtype; with
 // one rank per node the first step sends the raw gradient instead (the whole partial: lossless),
 // staged by a copy into the own vacated slot. Staging is constant in W (rs_staging_bytes); the

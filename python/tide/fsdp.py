@@ -234,7 +234,7 @@ class _Bucket:
         self.layout, self.net = layout, net
         self.rank = group.rank()
         self.ag_program = _tide.plan_all_gather(layout, self.rank, bucket_id, net)
-        # Across nodes the reduce-scatter stages fp32 partials after the bucket's window: a slot
+        # Across nodes the reduce-scatter stages partial sums after the bucket's window: a slot
         # holds the largest of the two programs' windows (a subset's is never larger).
         self.window_bytes = max(self.ag_program.window_bytes,
                                 _tide.plan_reduce_scatter(layout, self.rank, _tide.ReduceOptions(),

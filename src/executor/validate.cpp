@@ -161,7 +161,7 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
       CHECK(reduce->param >= 0 && reduce->param < program.num_params,
             detail::concat("steps[", i, "].param"), reduce->param,
             detail::concat("in [0, ", program.num_params, ")"));
-      if (has_net)  // multi-node plans reduce local ranks' chunks and fp32 partials
+      if (has_net)  // multi-node plans reduce local ranks' chunks and received partials
         CHECK(!reduce->sources.empty() && reduce->sources.size() <= static_cast<std::size_t>(world),
               detail::concat("steps[", i, "].sources.size()"), reduce->sources.size(),
               detail::concat("in [1, ", world, "]"));
@@ -179,7 +179,9 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
         CHECK(has_net && reduce->partial->space == Space::kWindow && reduce->partial->index == rank,
               detail::concat("steps[", i, "].partial"), "set",
               "unset (single node) or in the own window (multi-node)");
-        if (!check_dtype(i, "partial_dtype", reduce->partial_dtype)) return false;
+        CHECK(reduce->partial_dtype == DType::kFP32 || reduce->partial_dtype == DType::kBF16,
+              detail::concat("steps[", i, "].partial_dtype"), dtype_name(reduce->partial_dtype),
+              "fp32 or bf16 (NetOptions::wire_dtype)");
         const std::size_t size = dtype_size(reduce->partial_dtype);
         CHECK(reduce->partial->offset % size == 0, detail::concat("steps[", i, "].partial.offset"),
               reduce->partial->offset,

@@ -1,6 +1,6 @@
 // Multi-node plans (W = nodes x local): paced recursive-doubling all-gather between rail peers and
-// the two-phase reduce-scatter (node-local accumulation, then a chunked ring of fp32 partials
-// through a fixed staging ring). See plan.hpp and DESIGN.md §2.
+// the two-phase reduce-scatter (node-local accumulation, then a chunked ring of partial sums, fp32
+// or bf16 on the wire, through a fixed staging ring). See plan.hpp and DESIGN.md §2.
 #include <algorithm>
 #include <cmath>
 
@@ -78,7 +78,8 @@ void add_exchange(Program& program, int peer, const std::vector<Piece>& sends,
         {Phase::kPush, NetSendOp{peer, win(rank, sends[s].offset), sends[s].bytes, channel}});
 }
 
-// Elements of one fp32 staging chunk, and its bytes in the window (rounded up to 256 B).
+// Elements of one staging chunk (sized for fp32 whatever the wire dtype), and its bytes in the
+// window (rounded up to 256 B).
 int64_t rs_chunk_elems(const BucketLayout& layout, const NetOptions& net) {
   int64_t max_shard = 1;
   for (const ParamLayout& p : layout.params()) max_shard = std::max(max_shard, p.shard_numel);
@@ -240,9 +241,10 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
                           ? options.postscale / static_cast<float>(layout.world())
                           : options.postscale;
   // The node's chunks [e0, e0 + cnt) of block b (the own gradient and the local ranks' slots), in
-  // local rank order, added onto what another node sent (`received`: an fp32 partial sum, or with
-  // `raw` that node's gradient in its own dtype, then the first source, so the sum runs in the same
-  // order and is bitwise the same), into an fp32 staging buffer or, for the final sum, the output.
+  // local rank order, added onto what another node sent (`received`: a partial sum in the wire
+  // dtype, or with `raw` that node's gradient in its own dtype, then the first source, so the sum
+  // runs in the same order and is bitwise the same), into a staging buffer in the wire dtype or,
+  // for the final sum, the output.
   auto local_reduce = [&](int i, int b, int64_t e0, int64_t cnt, std::optional<std::size_t> received,
                           bool raw, bool final_sum, std::size_t dst = 0) {
     const ParamLayout& p = params[i];
@@ -266,10 +268,11 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   };
   auto send_raw = [&](int i, int b, int64_t e0, int64_t cnt, int to) {
     const ParamLayout& p = params[i];
-    const Address slot = win(rank, p.slot_offset(b) + e0 * p.elem_size);
+    const int dest = b * L + l;  // = b: only with one rank per node
+    const Address slot = win(rank, p.slot_offset(dest) + e0 * p.elem_size);
     const std::size_t bytes = wire_bytes(i, 0, cnt);
     program.steps.push_back(
-        {Phase::kPush, CopyBatch{{{slot, {Space::kInput, i, b * p.slot_bytes() + e0 * p.elem_size}, bytes}}}});
+        {Phase::kPush, CopyBatch{{{slot, {Space::kInput, i, dest * p.slot_bytes() + e0 * p.elem_size}, bytes}}}});
     program.steps.push_back({Phase::kPush, NetSendOp{to, slot, bytes, ch}});
   };
   int sent = 0;

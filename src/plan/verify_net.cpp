@@ -33,6 +33,7 @@ struct Label {
   int64_t elem = 0;           // its first element
   std::size_t elem_size = 1;
   Ranks ranks;                // ranks summed into it
+  bool summed = false;        // a reduce's result (prescale applied), not raw gradient bytes
   int writer = -1;            // rank whose copy put it here (-1: the window's own rank)
 
   Label shifted(std::size_t bytes) const {
@@ -360,13 +361,14 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                 note_slot_write(r, op.dst.offset, op.bytes);
               } else {  // ReduceOp
                 Label acc;
-                bool started = false;
+                bool started = false, summed_sources = false;
                 if (op.partial) {  // a partial sum of the same chunk, in the wire dtype
                   const std::size_t size = dtype_size(op.partial_dtype);
                   acc = read(prog, s, op.partial->offset, op.count * size);
-                  if (!acc.rs || acc.param != op.param || acc.elem_size != size)
+                  if (!acc.rs || acc.param != op.param || acc.elem_size != size || !acc.summed)
                     fail(prog, s, detail::concat("reduce partial is not a ", dtype_name(op.partial_dtype),
-                                                 " partial sum of param ", op.param));
+                                                 " partial sum of param ", op.param,
+                                                 " (raw gradient bytes are a source: they need the prescale)"));
                   started = true;
                 }
                 for (std::size_t k = 0; k < op.sources.size(); ++k) {
@@ -379,6 +381,12 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                                                  "'s gradient data in ", dtype_name(op.src_dtype)));
                   if (a.space == Space::kInput && op.src_dtype != params[op.param].dtype)
                     fail(prog, s, "reduce reads a gradient in another dtype");
+                  // Partial sums as sources (recursive halving) already carry the prescale.
+                  if (l.summed && op.prescale != 1.0f)
+                    fail(prog, s, detail::concat("reduce source ", k, " is a partial sum, prescaled again"));
+                  if (k > 0 && l.summed != summed_sources)
+                    fail(prog, s, "reduce mixes partial sums and raw gradient bytes as sources");
+                  summed_sources = l.summed;
                   if (!started) {
                     acc = l;
                     started = true;
@@ -393,6 +401,7 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                   }
                 }
                 acc.elem_size = dtype_size(op.dst_dtype);
+                acc.summed = true;
                 if (op.dst.space == Space::kWindow) {
                   const std::size_t bytes = op.count * acc.elem_size;
                   if (outstanding_overlap(r, op.dst.offset, bytes)) { blocked = true; return; }

@@ -99,6 +99,10 @@ TEST(ApiErrors, ReducePartialsOnlyInTheOwnWindowOfMultiNodePrograms) {
   for (ReduceOp* r : reduces(q))
     if (r->partial) fused = r;
   ASSERT_NE(fused, nullptr) << "the ring adds the local chunks onto the received partial";
+  fused->partial_dtype = DType::kFP16;  // a dtype no wire carries: refused before anything runs
+  expect_error([&] { validate_run(q, {{in}, {out}}, 0, 4, sizeof window, window, true); },
+               {"partial_dtype = fp16", "fp32 or bf16"});
+  fused->partial_dtype = DType::kFP32;
   fused->partial->offset = sizeof window - 4;
   expect_error([&] { validate_run(q, {{in}, {out}}, 0, 4, sizeof window, window, true); },
                {"partial", "inside the window"});

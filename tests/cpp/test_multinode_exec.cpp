@@ -22,9 +22,8 @@ struct Case {
 // returns every rank's RS outputs of each repeat.
 std::vector<std::vector<std::vector<std::byte>>> run_case(const BucketLayout& layout,
                                                           const NetOptions& net, uint64_t seed,
-                                                          int repeats) {
+                                                          int repeats, const ReduceOptions& o = {}) {
   const int world = layout.world();
-  const ReduceOptions o{};
   std::vector<std::vector<std::vector<std::byte>>> outs(world);
   std::size_t bytes = 0;
   for (int r = 0; r < world; ++r) {
@@ -97,6 +96,46 @@ TEST(MultinodeExec, TwoNodesOfOneRankEqualOneNodeBitwise) {
       const auto two_nodes = run_case(BucketLayout(specs, Topology{2, 1}), net, 40 + iter, 1);
       const auto one_node = run_case(BucketLayout(specs, Topology::single_node(2)), net, 40 + iter, 1);
       for (int r = 0; r < 2; ++r) EXPECT_EQ(two_nodes[r][0], one_node[r][0]) << "rank " << r;
+    }
+}
+
+TEST(MultinodeExec, OneRankPerNodeRingSumsInRingOrderBitwise) {
+  // The ring's order with one rank per node: block d starts at node d + 1 (its raw gradient),
+  // nodes d + 2, ... add theirs, node d adds its own last; every term prescaled, one fp32
+  // rounding per operation; with a bf16 wire each intermediate partial is rounded to bf16. The
+  // host executor's outputs equal this model bit for bit (prescale 0.3: a raw gradient taken as
+  // an already-scaled partial would show).
+  const ReduceOptions o{ReduceKind::kAvg, 0.3f, 1.0f, false};
+  std::mt19937_64 rng(17);
+  for (const int N : {3, 5})
+    for (const DType wire : {DType::kFP32, DType::kBF16}) {
+      const BucketLayout layout(test::random_specs(rng, N, 3, 1 << 10), Topology{N, 1});
+      NetOptions net{128, 2, 2};
+      net.wire_dtype = wire;
+      const uint64_t seed = 70 + N;
+      const auto outs = run_case(layout, net, seed, 1, o);
+      const float scale = 1.0f / static_cast<float>(N);
+      for (int d = 0; d < N; ++d) {
+        std::vector<std::byte> expected;
+        for (std::size_t i = 0; i < layout.num_params(); ++i) {
+          const ParamLayout& p = layout.param(i);
+          std::vector<test::Buffer> grads;
+          for (int r = 0; r < N; ++r) grads.push_back(test::rs_grad(p, int(i), r, seed));
+          // as test::Buffer sizes it (at least one element), filled by run_case with 0x7F
+          std::vector<std::byte> out(std::max<int64_t>(p.valid_numel(d), 1) * dtype_size(p.shard_dtype),
+                                     std::byte{0x7F});
+          for (int64_t k = 0; k < p.valid_numel(d); ++k) {
+            float acc = 0.0f;
+            for (int step = 1; step <= N; ++step) {
+              acc = acc + grads[(d + step) % N].at(d * p.shard_numel + k) * o.prescale;
+              if (step < N && step > 1 && wire == DType::kBF16) acc = bf16_to_float(float_to_bf16(acc));
+            }
+            store_from_float(out.data(), p.shard_dtype, k, acc * scale);
+          }
+          expected.insert(expected.end(), out.begin(), out.end());
+        }
+        EXPECT_EQ(outs[d][0], expected) << "rank " << d << " of " << N << "x1, wire " << dtype_name(wire);
+      }
     }
 }
 

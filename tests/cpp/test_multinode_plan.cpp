@@ -183,6 +183,27 @@ TEST(MultinodePlan, VerifierRejectsBrokenSets) {
   // takes a local slot's bf16 gradient as its fp32 partial
   EXPECT_THROW(verify_programs(layout, break_final_reduce([](ReduceOp& r) { r.partial = r.sources.back(); })),
                Error);
+
+  // One rank per node: the raw gradient received from the previous node is the final reduce's
+  // first source (it needs the prescale). Taken as a partial of the same dtype (fp32 gradients,
+  // fp32 wire: the bytes would pass) it skips the prescale: the verifier tells them apart.
+  BucketLayout raw_layout({{"w", {48, 8}, DType::kFP32}}, Topology{3, 1});
+  auto raw = [&] {
+    std::vector<Program> set;
+    for (int r = 0; r < 3; ++r) set.push_back(plan_reduce_scatter(raw_layout, r, {}, 7, net));
+    return set;
+  };
+  verify_programs(raw_layout, raw());
+  int moved = 0;
+  auto bad = raw();
+  for (Step& st : bad[0].steps)
+    if (auto* r = std::get_if<ReduceOp>(&st.op); r && r->sources.size() == 2 && !r->partial) {
+      r->partial = r->sources.front();
+      r->sources.erase(r->sources.begin());
+      ++moved;
+    }
+  ASSERT_GT(moved, 0) << "no reduce adds a received raw gradient";
+  EXPECT_THROW(verify_programs(raw_layout, bad), Error);
 }
 
 // Fixed per-rank output: every param has c rows per rank whatever W is.

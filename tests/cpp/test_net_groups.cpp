@@ -51,7 +51,7 @@ void check_waits(const Program& p, const net::GroupSchedule& s) {
     std::vector<Address> reads;
     if (const auto* r = std::get_if<ReduceOp>(&p.steps[i].op)) {
       reads = r->sources;
-      if (r->partial) reads.push_back(*r->partial);  // the received fp32 partial of a ring step
+      if (r->partial) reads.push_back(*r->partial);  // the received partial of a ring step
     }
     if (const auto* b = std::get_if<CopyBatch>(&p.steps[i].op))
       for (const CopyOp& c : b->copies) reads.push_back(c.src);
@@ -72,12 +72,13 @@ void check_waits(const Program& p, const net::GroupSchedule& s) {
 TEST(NetGroups, MultinodePlansScheduleAndNeverDeadlock) {
   std::mt19937_64 rng(77);
   const NetOptions nets[] = {{},         {256, 1, 1},       {64, 2, 3},      {1024, 16, 16},
-                             {64, 4, 3, true}, {256, 1, 1, true}, {64, 16, 2, true}};
+                             {64, 4, 3, true}, {256, 1, 1, true}, {64, 16, 2, true},
+                             {64, 2, 2, false, DType::kBF16}, {128, 4, 3, true, DType::kBF16}};
   int checked = 0;
   for (const Topology& t : kTopologies)
     for (int iter = 0; iter < 35; ++iter) {
       BucketLayout layout(test::random_specs(rng, t.world(), 4, 1 << 12), t);
-      const NetOptions& net = nets[iter % 7];
+      const NetOptions& net = nets[iter % 9];
       for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
         std::vector<Program> programs;
         std::vector<net::GroupSchedule> schedules;

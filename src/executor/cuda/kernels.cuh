@@ -40,7 +40,7 @@ struct ReduceSpec {
   bool accumulate;
   ElementType src_type;
   ElementType dst_type;
-  ElementType partial_type;  // kFP32 or kBF16
+  ElementType partial_type = kFP32;  // kFP32 or kBF16
 };
 
 struct LaunchInfo {
