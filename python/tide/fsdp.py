@@ -683,8 +683,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     ranks_per_node: declares nodes of that many consecutive global ranks (default: LOCAL_WORLD_SIZE
     as torchrun sets it; unset: every group is one node); groups that span several
     run TIDE's across-node programs (recursive-doubling all-gather, two-phase reduce-scatter)
-    between them, with `net` (a tide.NetOptions) pacing the network steps. A group on one node
-    must have its ranks on one host.
+    between them, with `net` (a tide.NetOptions: 16 MiB chunks by default) pacing the network
+    steps. ``tide.NetOptions(wire_dtype=tide.DType.bf16)`` sends the reduce-scatter's partial sums
+    as bf16 between nodes: half the bytes, but LOSSY (one bf16 rounding per transfer; results are
+    no longer bitwise equal to stock FSDP2's). A group on one node must have its ranks on one host.
 
     network: what carries those steps on CUDA devices. "auto" (default): CUDA IPC when every rank
     of the group is on this host (virtual nodes), else NCCL; "ipc"; "nccl" (a communicator per
