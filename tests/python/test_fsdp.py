@@ -49,8 +49,10 @@ def test_results_match_stock(world_results):
             where = f"W={world} {name} rank {rank}"
             if world == 2 and "inexact" not in opts:
                 assert r["bitwise_vs_stock"], f"{where}: not bitwise equal to stock (max diff {r['max_abs_diff']})"
-            tol = 1e-3 if "mp" in opts else 1e-6
+            tol = 1e-3 if "mp" in opts or "wire" in opts else 1e-6  # bf16 params or partials
             assert r["max_abs_diff"] <= tol, f"{where}: max |TIDE - stock| = {r['max_abs_diff']} > {tol}"
+            if "wire" in opts:  # the lossy wire reached the plans: its rounding shows
+                assert r["max_abs_diff"] > 0, f"{where}: bf16 partials on the wire left no trace"
 
 
 def test_tide_is_bitwise_reproducible(world_results):
