@@ -342,8 +342,8 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   // chunk's N steps one per round and starts its next chunk in the round of the last step, right
   // after the final reduce has read the buffer. The lanes interleave round by round, so one
   // lane's transfer is in flight while the other lane's chunk is reduced (the compute stream
-  // waits only for the group whose bytes it reads), and the next chunk's transfer does not wait
-  // for the previous chunk's final reduce. As in a one-chunk ring, a send and the receive of the
+  // waits only for the group whose bytes it reads), and a lane's next chunk starts as soon as its
+  // own buffer is free, not when the other lane's chunk is done too. As in a one-chunk ring, a send and the receive of the
   // same chunk's next step are one run of network ops: the next node's matching group has the
   // same shape, which NCCL's group semantics need (group_schedule.hpp).
   struct Chunk {
