@@ -155,8 +155,9 @@ struct Program {
 // of one chunk (plus two receive buffers, so that one chunk's transfer overlaps another's reduce).
 //
 // The 16 MiB default: per-chunk costs (a send/recv group, a copy, a reduce launch) made 1 MiB
-// chunks 2.7x stock FSDP2's step time in tide.fsdp across two H200s over NCCL, 4 MiB 1.02x and
-// 16 MiB 0.69x (BENCHMARKS.md); staging is (2 + ring_depth) chunks of fp32 (96 MiB per window).
+// chunks 2.7x stock FSDP2's step time in tide.fsdp across two H200s over NCCL; with 16 MiB its
+// collectives took 0.70-0.78x stock's time (three runs; BENCHMARKS.md). Staging is
+// (2 + ring_depth) chunks of fp32 (96 MiB per window).
 struct NetOptions {
   std::size_t chunk_bytes = std::size_t{16} << 20;  // multiple of 16, >= 16
   int max_chunks_in_flight = 4;                    // in [1, kNetQueueDepth]
