@@ -2,9 +2,13 @@
 // message alone is enough to act on; waits name rank, bucket, phase and epoch.
 #pragma once
 
+#include <charconv>
+#include <locale>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace tide {
 
@@ -38,11 +42,33 @@ class SystemError : public Error {
 };
 
 namespace detail {
+// Appends one value as text. Numbers go through std::to_chars: independent of the global locale
+// (a user's std::locale::global must not put separators into offsets) and of iostreams.
+template <class T>
+void append(std::string& out, const T& value) {
+  if constexpr (std::is_same_v<T, bool>) {
+    out += value ? "true" : "false";
+  } else if constexpr (std::is_same_v<T, char>) {
+    out += value;
+  } else if constexpr (std::is_arithmetic_v<T>) {
+    char buf[64];
+    const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, value);
+    out.append(buf, ec == std::errc() ? end : buf);
+  } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
+    out += std::string_view(value);
+  } else {  // anything else with an operator<< (pointers, ...), in the classic locale
+    std::ostringstream os;
+    os.imbue(std::locale::classic());
+    os << value;
+    out += os.str();
+  }
+}
+
 template <class... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string out;
+  (append(out, args), ...);
+  return out;
 }
 }  // namespace detail
 

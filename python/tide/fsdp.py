@@ -102,9 +102,11 @@ def _log_once(key, message, *args) -> None:
 # --- version adapter: where param groups live, how an AllGatherResult is built -----------------
 
 def _param_groups(module: torch.nn.Module) -> list:
-    """Every FSDPParamGroup under `module`, in module order (identical on every rank)."""
+    """(module path, FSDPParamGroup) for every param group under `module`, in module order
+    (identical on every rank). The path comes from the module tree: FSDP2 sets its own
+    ``_module_fqn`` only at lazy init (first forward)."""
     groups, seen = [], set()
-    for m in module.modules():
+    for path, m in module.named_modules():
         get_state = getattr(m, "_get_fsdp_state", None)
         if get_state is None:
             continue
@@ -116,7 +118,7 @@ def _param_groups(module: torch.nn.Module) -> list:
         for g in found:
             if id(g) not in seen:
                 seen.add(id(g))
-                groups.append(g)
+                groups.append((path or "<root>", g))
     return groups
 
 
@@ -572,11 +574,12 @@ def _placements(group, device: torch.device) -> list:
     return _placement_cache[cache_key]
 
 
-def _transport(group, device: torch.device, topology, network: str):
-    """(transport between the group's nodes, "") or (None, why the group falls back). The transport
-    is None for one node, "host" (CPU: the host executor's), "ipc" (CUDA IPC, every rank on this
-    host) or "nccl" (one communicator per window, node-local work still by CUDA IPC)."""
-    placements = _placements(group, device)
+def transport_for(placements: list, device_type: str, topology, network: str):
+    """(transport between the group's nodes, "") or (None, why the group falls back), from where
+    the group's ranks are: `placements` is (host, GPU uuid or "") per group rank. The transport is
+    None for one node, "host" (CPU: the host executor's), "ipc" (CUDA IPC, every rank on this
+    host) or "nccl" (one communicator per window, node-local work still by CUDA IPC). Pure, so
+    tide-bench refuses a configuration with the same decision before anything runs."""
     hosts = [h for h, _ in placements]
     one_host = len(set(hosts)) == 1
     if topology.nodes == 1:
@@ -588,7 +591,7 @@ def _transport(group, device: torch.device, topology, network: str):
         node_hosts = set(hosts[n * topology.local:(n + 1) * topology.local])
         if len(node_hosts) > 1:
             return None, f"node {n}'s ranks are on several hosts ({', '.join(sorted(node_hosts))})"
-    if device.type == "cpu":
+    if device_type == "cpu":
         if network == "nccl":
             return None, "network='nccl' on CPU devices (their network is TIDE's host transport)"
         if not one_host:
@@ -613,11 +616,11 @@ def _launcher_ranks_per_node() -> int | None:
     return int(value)
 
 
-def _group_topology(group, ranks_per_node):
-    """(topology, "") of a process group, or (None, why not). Without ranks_per_node the group is
-    one node; with it, global rank g is on node g // ranks_per_node, and the group must hold as
-    many ranks of every node it spans, node after node (TIDE's rank = node * local + local rank)."""
-    ranks = dist.get_process_group_ranks(group)
+def topology_for(ranks: list, ranks_per_node):
+    """(topology, "") of a process group's global `ranks`, or (None, why not). Without
+    ranks_per_node the group is one node; with it, global rank g is on node g // ranks_per_node,
+    and the group must hold as many ranks of every node it spans, node after node (TIDE's rank =
+    node * local + local rank)."""
     if ranks_per_node is None:
         return _tide.Topology.single_node(len(ranks)), ""
     nodes = [g // ranks_per_node for g in ranks]
@@ -714,8 +717,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     _install()
     result = TideFSDP()
     by_ranks: dict = {}  # (ranks, device) -> buckets
-    for pg in groups:
-        fqn = getattr(pg, "_module_fqn", "") or "<root>"
+    for fqn, pg in groups:
         if any(getattr(fp, "_tide_bucket", None) is not None for fp in pg.fsdp_params):
             raise ValueError(f"tide.fsdp.enable: param group {fqn} is already handled by TIDE")
         for fp in pg.fsdp_params:
@@ -725,9 +727,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         group = getattr(pg, "_all_gather_process_group", None) if hasattr(pg, "mesh_info") else None
         topology, transport, reason = None, None, _bucket_fallback_reason(pg, group)
         if not reason:
-            topology, reason = _group_topology(group, ranks_per_node)
+            topology, reason = topology_for(dist.get_process_group_ranks(group), ranks_per_node)
         if not reason:
-            transport, reason = _transport(group, pg.device, topology, network)
+            transport, reason = transport_for(_placements(group, pg.device), pg.device.type,
+                                              topology, network)
         if reason:
             result.fallbacks.append((fqn, reason))
             log.warning("tide.fsdp: param group %s falls back to stock FSDP2: %s", fqn, reason)

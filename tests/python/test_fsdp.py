@@ -165,9 +165,8 @@ def test_enable_rejects_bad_arguments(kwargs, error, fragment, monkeypatch):
     ("cpu", 2, 1, [("a", ""), ("a", "")], "nccl", (None, "network='nccl' on CPU devices")),
     ("cpu", 2, 1, [("a", ""), ("b", "")], "auto", (None, "CPU ranks on several hosts")),
 ])
-def test_transport_follows_placement(device, nodes, local, placements, network, expected, monkeypatch):
+def test_transport_follows_placement(device, nodes, local, placements, network, expected):
     import tide.fsdp
-    monkeypatch.setattr(tide.fsdp, "_placements", lambda group, dev: placements)
-    transport, reason = tide.fsdp._transport(None, torch.device(device), tide.Topology(nodes, local), network)
+    transport, reason = tide.fsdp.transport_for(placements, device, tide.Topology(nodes, local), network)
     assert transport == expected[0]
     assert (reason == "") if not expected[1] else (expected[1] in reason), reason

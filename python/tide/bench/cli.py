@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--world", type=_positive("world"), default=None,
-                        help="ranks to spawn (default: 4 on CPU, the GPU count on GPUs; ignored under torchrun)")
+                        help="ranks to spawn (default: 4 on CPU, the GPU count on several GPUs, 2 "
+                             "ranks sharing the GPU on one; ignored under torchrun)")
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     common.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
@@ -102,8 +103,9 @@ def _fsdp(args, parser, device) -> int:
     cfg = PRESETS[model_name]
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, layers=args.layers)
-    if args.world is not None and args.world < 2 and not under_torchrun():
-        parser.error(f"--world {args.world}: FSDP needs at least 2 ranks to compare collectives")
+    if not under_torchrun():
+        _refuse_fallback_configuration(args, parser, device)
+    _require_matplotlib(args, parser)
     mp = args.mp or ("fp32" if device == "cpu" else "bf16")
     opts = {"device": device, "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
             "ranks_per_node": args.ranks_per_node, "chunk_bytes": args.chunk_mib * MIB,
@@ -143,6 +145,38 @@ def _fsdp(args, parser, device) -> int:
     return 0
 
 
+def _refuse_fallback_configuration(args, parser, device) -> None:
+    """Refuses, before anything runs, a configuration in which TIDE would handle no param group:
+    the same decisions tide.fsdp.enable takes per group, on the ranks this command spawns (all on
+    this host, rank r on GPU r % GPUs, as launch.py places them)."""
+    from .. import _tide
+    from ..fsdp import topology_for, transport_for
+
+    if args.world < 2:
+        parser.error(f"--world {args.world}: FSDP needs at least 2 ranks to compare collectives")
+    if device == "cuda" and not _tide.cuda_built:
+        parser.error("--device cuda: this build of TIDE has no CUDA transport (built without nvcc)")
+    if args.ranks_per_node is not None and args.world % args.ranks_per_node:
+        parser.error(f"--ranks-per-node {args.ranks_per_node} does not divide --world {args.world}: "
+                     "TIDE needs as many ranks on every node and would fall back for every group")
+    topology, reason = topology_for(list(range(args.world)), args.ranks_per_node)
+    if not reason:
+        gpus = torch.cuda.device_count() if device == "cuda" else 0
+        placements = [("this-host", f"gpu{r % gpus}" if gpus else "") for r in range(args.world)]
+        _, reason = transport_for(placements, device, topology, args.network)
+    if reason:
+        parser.error(f"--ranks-per-node {args.ranks_per_node} --network {args.network} --world "
+                     f"{args.world} on {device}: TIDE would fall back for every group: {reason}")
+
+
+def _require_matplotlib(args, parser) -> None:
+    if getattr(args, "plot_dir", None):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot-dir needs matplotlib: pip install matplotlib")
+
+
 def _collectives(args, parser, device) -> int:
     from .collectives_bench import run_sweep
 
@@ -150,16 +184,13 @@ def _collectives(args, parser, device) -> int:
         from .. import _tide
         if not _tide.cuda_built:
             parser.error("collectives: this build of TIDE has no CUDA transport (built without nvcc)")
-        if not under_torchrun() and args.world > torch.cuda.device_count():
-            parser.error(f"--world {args.world}: collectives on GPUs runs one rank per GPU (NCCL for "
-                         f"the stock path) and this machine has {torch.cuda.device_count()}")
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}")
     sizes, size = [], args.min_bytes
     while size <= args.max_bytes:
         sizes.append(size)
         size *= 4
-    results = _launch(args, device, run_sweep, sizes, args.iters)
+    results = _launch(args, device, run_sweep, device, sizes, args.iters)
     if results is None:
         return 0
     rows = results[0]
@@ -167,8 +198,14 @@ def _collectives(args, parser, device) -> int:
         for r, o in zip(rows, other):
             r["stock_ms"], r["tide_ms"] = max(r["stock_ms"], o["stock_ms"]), max(r["tide_ms"], o["tide_ms"])
             r["check"] = r["check"] and o["check"]
-    where = ("host executor and gloo: memory-bound on this host, not a network figure" if device == "cpu"
-             else "CUDA executor vs NCCL, one rank per GPU; wall time per call incl. launches")
+    if device == "cpu":
+        where = "host executor and gloo: memory-bound on this host, not a network figure"
+    elif rows and rows[0]["ranks_share_gpus"]:
+        where = ("single-GPU emulation: ranks share the GPU, the stock collective is gloo through host "
+                 "memory, TIDE's CUDA executor is HBM-bound, not NVLink-bound: times do not compare, "
+                 "the checks and the layout copies do")
+    else:
+        where = "CUDA executor vs NCCL, one rank per GPU; wall time per call incl. launches"
     print(f"# tide-bench collectives, W = {rows[0]['world'] if rows else '-'}, {device} ({where})")
     print(report.collectives_table(rows))
     if args.json:
@@ -180,8 +217,8 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     device = _resolve_device(args, parser)
-    if args.world is None:
-        args.world = 4 if device == "cpu" else max(torch.cuda.device_count(), 1)
+    if args.world is None:  # one GPU: two ranks share it (single-GPU emulation)
+        args.world = 4 if device == "cpu" else max(torch.cuda.device_count(), 2)
     if args.command == "fsdp":
         return _fsdp(args, parser, device)
     if args.command == "collectives":

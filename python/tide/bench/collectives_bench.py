@@ -3,8 +3,10 @@
 The stock path is what FSDP2 does around its collective: AG = cast shards into a flat buffer
 (copy-in) + all_gather_into_tensor + split_with_sizes_copy into per-param tensors (copy-out);
 RS = chunk_cat of bf16 gradients into a full-group fp32 buffer (copy-in) + reduce_scatter_tensor.
-TIDE runs its own AG/RS programs: the host executor and gloo on CPU; on GPUs (one rank per GPU)
-the CUDA executor (copy engines, cast/reduce kernels) and NCCL for the stock path. Buckets are 4
+TIDE runs its own AG/RS programs: the host executor and gloo on CPU; on GPUs the CUDA executor
+(copy engines, cast/reduce kernels) and NCCL for the stock path, one rank per GPU. With more ranks
+than GPUs (one GPU: two ranks share it) the stock collective runs over gloo, through host memory:
+single-GPU emulation, where the checks compare and the times do not. Buckets are 4
 params of equal size. Every timed configuration is checked: TIDE's result against the stock path's.
 """
 
@@ -55,8 +57,9 @@ def _window_and_executor(boot, window_bytes: int, cuda: bool):
     return window, tide.HostExecutor(window)
 
 
-def run_sweep(rank: int, world: int, sizes: list, iters: int) -> list:
-    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+def run_sweep(rank: int, world: int, device_type: str, sizes: list, iters: int) -> list:
+    cuda = device_type == "cuda"
+    shared_gpu = cuda and dist.get_backend() == "gloo"  # see launch.backend_for
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rows = []
     for size in sizes:
@@ -102,7 +105,7 @@ def run_sweep(rank: int, world: int, sizes: list, iters: int) -> list:
                 torch.cuda.synchronize()
             ok = _check(name, layout, window, rank, per_param, rs_out, tide_out, device)
             rows.append({"collective": name, "bytes": size, "world": world, "stock_ms": stock_ms,
-                         "tide_ms": tide_ms, "check": ok})
+                         "tide_ms": tide_ms, "check": ok, "ranks_share_gpus": shared_gpu})
         dist.barrier()
         del executor, window
     return rows

@@ -152,6 +152,9 @@ def _train(rank: int, mode: str, cfg: LlamaConfig, device: str, world: int, opts
                                              wire_dtype=getattr(tide.DType, opts["wire_dtype"])),
                       "network": opts.get("network", "auto")}
         handle = tide.fsdp.enable(model, **kwargs)
+        if not handle.buckets:  # a "TIDE" column that is stock FSDP2 would be a lie
+            raise RuntimeError(f"tide-bench fsdp: TIDE handled no param group on rank {rank}: "
+                               f"{handle.fallbacks}")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
     total = opts["warmup"] + opts["steps"]

@@ -14,8 +14,11 @@ def fsdp_table(summary: dict) -> str:
     wire = ", bf16 partials on the wire (lossy)" if summary.get("wire_dtype") == "bf16" else ""
     chunks = f", {summary['chunk_mib']} MiB chunks" if "chunk_mib" in summary else ""
     where = f" (TIDE: nodes of {nodes} ranks{network}{chunks}{wire})" if nodes else ""
+    emulated = (" — SINGLE-GPU EMULATION (ranks share the GPU: times do not compare; copies, memory "
+                "and agreement do)" if t.get("ranks_share_gpus") else "")
     lines = [f"# tide-bench fsdp: {summary['model']}, W = {summary['world']}{where}, {summary['device']}, "
-             f"mp {summary['mp']}, median of {summary['steps']} steps after {summary['warmup']} warm-up",
+             f"mp {summary['mp']}, median of {summary['steps']} steps after {summary['warmup']} warm-up"
+             f"{emulated}",
              f"{'':<34} {'stock FSDP2':>14} {'TIDE':>14} {'TIDE/stock':>11}"]
 
     def row(label, key, fmt):
@@ -68,7 +71,8 @@ def write_json(path: str, payload: dict) -> None:
 
 
 def fsdp_plots(summary: dict, plot_dir: str) -> list:
-    """Step-time breakdown and memory, as PNGs in plot_dir; returns the paths written."""
+    """The headline (layout-conversion copy bytes per step, stock vs TIDE), the step-time breakdown
+    and memory, as PNGs in plot_dir, values on the bars; returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,12 +84,27 @@ def fsdp_plots(summary: dict, plot_dir: str) -> list:
     coll = [summary[m]["collectives_ms"] for m in modes]
     rest = [max(summary[m]["step_ms"] - summary[m]["collectives_ms"], 0.0) for m in modes]
     paths = []
+    emulated = " (single-GPU emulation)" if summary["tide"].get("ranks_share_gpus") else ""
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    copies = [summary[m]["layout_copy_mib"] for m in modes]
+    bars = ax.bar(labels, copies, color=["tab:gray", "tab:blue"])
+    ax.bar_label(bars, labels=[f"{c:,.1f} MiB" for c in copies], padding=2)
+    ax.set_ylabel("MiB read + written per step and rank")
+    ax.set_title(f"layout-conversion copies, {summary['model']}, W={summary['world']}{emulated}",
+                 fontsize=9)
+    ax.set_ylim(0, max(copies + [1.0]) * 1.15)
+    fig.tight_layout()
+    paths.append(os.path.join(plot_dir, "fsdp_layout_copies.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.bar(labels, rest, label="compute and other")
-    ax.bar(labels, coll, bottom=rest, label="collectives (incl. layout copies)")
+    bars = ax.bar(labels, coll, bottom=rest, label="collectives (incl. layout copies)")
+    ax.bar_label(bars, labels=[f"{r + c:.1f} ms" for r, c in zip(rest, coll)], padding=2)
     ax.set_ylabel("ms per step (median)")
-    ax.set_title(f"step time, W={summary['world']}, {summary['device']}")
+    ax.set_title(f"step time, W={summary['world']}, {summary['device']}{emulated}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     paths.append(os.path.join(plot_dir, "fsdp_step_time.png"))
@@ -93,9 +112,12 @@ def fsdp_plots(summary: dict, plot_dir: str) -> list:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5, 4))
-    ax.bar(labels, [summary[m]["peak_memory_mib"] for m in modes])
+    memory = [summary[m]["peak_memory_mib"] + (summary[m]["tide_window_mib"] if summary["device"] == "cuda"
+                                               else 0.0) for m in modes]
+    bars = ax.bar(labels, memory)
+    ax.bar_label(bars, labels=[f"{v:,.0f} MiB" for v in memory], padding=2)
     ax.set_ylabel(f"MiB ({summary['stock']['peak_memory_kind']})")
-    ax.set_title("peak memory per rank")
+    ax.set_title("peak memory per rank" + (" (TIDE: + window pool)" if summary["device"] == "cuda" else ""))
     fig.tight_layout()
     paths.append(os.path.join(plot_dir, "fsdp_memory.png"))
     fig.savefig(paths[-1], dpi=100)

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The GPU gate: run it on a GPU machine whenever src/, python/ or bench/ changed. It does what a
+# user does there and ends with one verdict line:
+#   build    pip install --no-build-isolation . (the package as a user builds it), then checks the
+#            extension: what ldd lists, and that it exports PyInit__tide alone (a static libstdc++
+#            exported beside torch's crashed tide.fsdp: issue 14)
+#   cpp      the C++ GPU tests (scripts/gpu_suite.sh tests)
+#   python   pytest: the extension checks, tests/python/test_fsdp.py's CUDA scenarios (ranks as
+#            processes sharing the GPU), test_fsdp_cuda.py (skips without 2 GPUs), the CLI tests
+#   bench    tide-bench fsdp with its defaults (on one GPU: 2 ranks sharing it)
+#   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
+#
+#   scripts/gpu_gate.sh [stage ...]     (default: every stage, in that order)
+#   scripts/gpu_gate.sh verdict         the verdict line over the stages run so far
+#
+# Stages record their result in $GATE_DIR (default build-gate/), so a gate longer than one call of
+# a lent machine can run as several calls on the same warm machine; the verdict line counts a
+# stage that has not run as not passed. Logs go to $OUT (default gpu-out/).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/gpu-out}
+GATE_DIR=${GATE_DIR:-$ROOT/build-gate}
+mkdir -p "$OUT" "$GATE_DIR"
+STAGES=(build cpp python bench sanitize)
+PY=${PYTHON:-python3}
+say() { echo "== gate: $*"; }
+record() { echo "$2" >"$GATE_DIR/$1"; say "$1: $2"; }
+
+stage_build() {
+  say "build: $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)')"
+  say "build: CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-} ($(${CXX:-c++} --version | head -1))"
+  if ! "$PY" -m pip install --no-build-isolation . >"$OUT/gate_build.log" 2>&1; then
+    tail -30 "$OUT/gate_build.log"; record build "FAIL (pip install; see gate_build.log)"; return
+  fi
+  local so
+  so=$(cd /tmp && "$PY" -c 'import tide._tide as t; print(t.__file__)') || { record build "FAIL (import)"; return; }
+  say "build: ldd $so"; ldd "$so" | sed 's/^/    /'
+  local exported
+  exported=$(cd /tmp && "$PY" -c "import sys; sys.path.insert(0, '$ROOT/tests/python')
+from test_extension import defined_dynamic_symbols as d; print(' '.join(d('$so')))")
+  if [[ "$exported" != "PyInit__tide" ]]; then
+    record build "FAIL (the extension exports $(wc -w <<<"$exported") symbols, not PyInit__tide alone)"; return
+  fi
+  local cuda_built
+  cuda_built=$(cd /tmp && "$PY" -c 'import tide; print(tide.cuda_built)')
+  [[ "$cuda_built" == True ]] || { record build "FAIL (built without CUDA)"; return; }
+  record build "PASS (exports PyInit__tide alone; libstdc++ $(ldd "$so" | grep -q libstdc++ && echo shared || echo static, hidden))"
+}
+
+stage_cpp() {
+  OUT="$OUT" bash scripts/gpu_suite.sh tests >"$OUT/gate_cpp.log" 2>&1
+  local rc=$? summary
+  summary=$(grep -E "^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]" "$OUT/gpu_tests.log" 2>/dev/null | tr '\n' ' ')
+  tail -15 "$OUT/gate_cpp.log"
+  [[ $rc == 0 ]] && record cpp "PASS ($summary)" || record cpp "FAIL (exit $rc: $summary)"
+}
+
+stage_python() {
+  # Outside the source tree, so `import tide` is the installed package, as for a user.
+  (cd /tmp && timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider \
+     "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
+     "$ROOT/tests/python/test_fsdp.py" -k "${PYTEST_K:-cuda or extension or two_gpus}" \
+     "$ROOT/tests/python/test_bench_cli.py") >"$OUT/gate_python.log" 2>&1
+  local rc=$?
+  tail -25 "$OUT/gate_python.log"
+  local line; line=$(tail -1 "$OUT/gate_python.log")
+  grep -q "cuda-W2" "$OUT/gate_python.log" || true
+  if [[ $rc == 0 ]] && ! grep -qE "[0-9]+ passed" <<<"$line"; then rc=5; fi
+  # The CUDA scenarios must have run, not skipped: a gate that skipped them proved nothing.
+  if grep -q "SKIPPED.*test_fsdp.py.*needs a CUDA build" "$OUT/gate_python.log"; then rc=6; fi
+  [[ $rc == 0 ]] && record python "PASS ($line)" || record python "FAIL (exit $rc: $line)"
+}
+
+stage_bench() {
+  (cd /tmp && timeout "${BENCH_TIMEOUT:-540}" tide-bench fsdp --no-progress --json "$OUT/gate_fsdp.json") \
+    >"$OUT/gate_bench.log" 2>&1
+  local rc=$?
+  cat "$OUT/gate_bench.log" | tail -20
+  if [[ $rc == 0 ]]; then
+    local check
+    check=$("$PY" - "$OUT/gate_fsdp.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+t, s = d["tide"], d["stock"]
+bad = []
+if not t["tide_buckets"] or t["tide_fallbacks"]:
+    bad.append(f"handled {t['tide_buckets']} groups, fallbacks {t['tide_fallbacks']}")
+if t["layout_copy_mib"] != 0 or not s["layout_copy_mib"] > 0:
+    bad.append(f"layout copies stock {s['layout_copy_mib']} TIDE {t['layout_copy_mib']}")
+if d["max_abs_diff"] != 0.0 and d["world"] == 2:
+    bad.append(f"W = 2 not bitwise: max diff {d['max_abs_diff']}")
+print("; ".join(bad) or f"W = {d['world']}, {d['model']}, {t['tide_buckets']} groups, copies "
+      f"{s['layout_copy_mib']:.0f} -> 0 MiB, max diff {d['max_abs_diff']:.1e}")
+sys.exit(1 if bad else 0)
+EOF
+)
+    rc=$?
+    [[ $rc == 0 ]] && record bench "PASS ($check)" || record bench "FAIL ($check)"
+  else
+    record bench "FAIL (exit $rc)"
+  fi
+}
+
+stage_sanitize() {
+  OUT="$OUT" bash scripts/gpu_suite.sh sanitize >"$OUT/gate_sanitize.log" 2>&1
+  local rc=$?
+  grep "compute-sanitizer .* exit" "$OUT/gate_sanitize.log"
+  [[ $rc == 0 ]] && record sanitize "PASS (memcheck racecheck synccheck)" || record sanitize "FAIL (exit $rc)"
+}
+
+verdict() {
+  local all=PASS parts=()
+  for s in "${STAGES[@]}"; do
+    local r="not run"
+    [[ -f "$GATE_DIR/$s" ]] && r=$(cat "$GATE_DIR/$s")
+    [[ "$r" == PASS* ]] || all=FAIL
+    parts+=("$s ${r%% (*}")
+  done
+  local gpu; gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+  echo "GPU GATE $all: $(IFS=','; echo "${parts[*]}" | sed 's/,/, /g') [$gpu, $(date -u +%F), $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo +dirty)]"
+  for s in "${STAGES[@]}"; do [[ -f "$GATE_DIR/$s" ]] && echo "  $s: $(cat "$GATE_DIR/$s")"; done
+  [[ $all == PASS ]]
+}
+
+if [[ $# == 0 ]]; then
+  rm -f "$GATE_DIR"/*
+  set -- "${STAGES[@]}" verdict
+fi
+rc=0
+for stage in "$@"; do
+  case "$stage" in
+    build|cpp|python|bench|sanitize) "stage_$stage" ;;
+    verdict) verdict || rc=1 ;;
+    *) echo "usage: $0 [build|cpp|python|bench|sanitize|verdict ...]"; exit 2 ;;
+  esac
+done
+exit $rc
