@@ -1,20 +1,51 @@
 #!/usr/bin/env bash
 # Every test: builds the C++ library and tests (CUDA sources too when nvcc is present), runs them
 # with CTest (GPU tests skip visibly without a GPU), installs the Python package, runs pytest.
-# Environment: TIDE_BUILD_DIR (default build), TIDE_CMAKE_ARGS (extra CMake arguments).
+#
+# Prerequisites come first, in seconds: the Python ones (torch, pytest, numpy, matplotlib, the
+# build backend, cmake, ninja) are pip-installed into this Python when missing; a missing C++
+# compiler or GoogleTest stops the script at once with the one command to run.
+# Environment: TIDE_BUILD_DIR (default build), TIDE_CMAKE_ARGS (extra CMake arguments),
+# PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
 build="${TIDE_BUILD_DIR:-build}"
-generator=()
-command -v ninja >/dev/null && generator=(-G Ninja)
 jobs="$(nproc 2>/dev/null || echo 2)"
 
+echo "== prerequisites"
+stop() { echo "scripts/test.sh: $1" >&2; echo "  run: $2" >&2; exit 2; }
+command -v "$PY" >/dev/null || stop "no $PY" "apt-get install python3 python3-venv (or set PYTHON)"
+command -v "${CXX:-c++}" >/dev/null || stop "no C++20 compiler (${CXX:-c++})" "apt-get install g++"
+gtest_found=""
+for f in /usr/include/gtest/gtest.h /usr/local/include/gtest/gtest.h; do [[ -f $f ]] && gtest_found=$f; done
+[[ -n "$gtest_found" || -n "${GTest_ROOT:-}" ]] ||
+  stop "GoogleTest not found (the C++ tests need it; or set GTest_ROOT)" "sudo apt-get install libgtest-dev"
+# name to import = requirement to install (torch: the versions tide supports, pyproject.toml)
+declare -A PY_REQS=([torch]="torch>=2.11,<2.16" [pytest]=pytest [numpy]=numpy [matplotlib]=matplotlib
+                    [nanobind]="nanobind>=2.0" [scikit_build_core]="scikit-build-core>=0.10")
+missing=()
+for mod in "${!PY_REQS[@]}"; do
+  "$PY" -c "import $mod" 2>/dev/null || missing+=("${PY_REQS[$mod]}")
+done
+command -v cmake >/dev/null || missing+=(cmake)
+command -v ninja >/dev/null || missing+=(ninja)
+if ((${#missing[@]})); then
+  echo "   installing into $("$PY" -c 'import sys; print(sys.prefix)'): ${missing[*]}"
+  "$PY" -m pip install -q "${missing[@]}" ||
+    stop "pip could not install ${missing[*]}" "$PY -m pip install ${missing[*]}"
+  hash -r
+fi
+"$PY" -c "import torch; print('   torch', torch.__version__)"
+
 echo "== C++: configure, build, ctest"
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
 # shellcheck disable=SC2086
 cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo ${TIDE_CMAKE_ARGS:-}
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
 
 echo "== Python: install the package, pytest"
-python3 -m pip install -q --no-build-isolation .
-python3 -m pytest tests/python -v -rs
+"$PY" -m pip install -q --no-build-isolation .
+"$PY" -m pytest tests/python -v -rs

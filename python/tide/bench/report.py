@@ -91,7 +91,7 @@ def fsdp_plots(summary: dict, plot_dir: str) -> list:
     bars = ax.bar(labels, copies, color=["tab:gray", "tab:blue"])
     ax.bar_label(bars, labels=[f"{c:,.1f} MiB" for c in copies], padding=2)
     ax.set_ylabel("MiB read + written per step and rank")
-    ax.set_title(f"layout-conversion copies, {summary['model']}, W={summary['world']}{emulated}",
+    ax.set_title(f"layout-conversion copies per step\n{summary['model']}, W={summary['world']}{emulated}",
                  fontsize=9)
     ax.set_ylim(0, max(copies + [1.0]) * 1.15)
     fig.tight_layout()
@@ -104,7 +104,7 @@ def fsdp_plots(summary: dict, plot_dir: str) -> list:
     bars = ax.bar(labels, coll, bottom=rest, label="collectives (incl. layout copies)")
     ax.bar_label(bars, labels=[f"{r + c:.1f} ms" for r, c in zip(rest, coll)], padding=2)
     ax.set_ylabel("ms per step (median)")
-    ax.set_title(f"step time, W={summary['world']}, {summary['device']}{emulated}", fontsize=9)
+    ax.set_title(f"step time\nW={summary['world']}, {summary['device']}{emulated}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     paths.append(os.path.join(plot_dir, "fsdp_step_time.png"))
