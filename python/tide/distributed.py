@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import itertools
 
 import torch.distributed as dist
@@ -9,17 +10,28 @@ import torch.distributed as dist
 from . import _tide
 
 
-def store_bootstrap(group, prefix: str) -> _tide.CallbackBootstrap:
+def store_bootstrap(group, prefix: str, timeout_ms: int | None = None) -> _tide.CallbackBootstrap:
     """A TIDE bootstrap over the default torch.distributed Store: no extra service, works with gloo
-    and NCCL process groups alike. `prefix` must be unique per window family and equal on all ranks."""
+    and NCCL process groups alike. `prefix` must be unique per window family and equal on all ranks.
+    Each exchange waits at most `timeout_ms` (default: TIDE_TIMEOUT_MS) for the other ranks."""
     store = dist.distributed_c10d._get_default_store()
     rank, world = group.rank(), group.size()
     rounds = itertools.count()
+    wait = datetime.timedelta(milliseconds=timeout_ms or _tide.default_timeout_ms())
 
     def allgather(mine: bytes) -> list:
         r = next(rounds)
-        store.set(f"{prefix}/{r}/{rank}", mine)
-        return [store.get(f"{prefix}/{r}/{q}") for q in range(world)]
+        keys = [f"{prefix}/{r}/{q}" for q in range(world)]
+        store.set(keys[rank], mine)
+        try:
+            store.wait(keys, wait)
+        except Exception as e:  # noqa: BLE001 - c10d raises DistStoreError / RuntimeError by version
+            missing = [q for q, k in enumerate(keys) if not store.check([k])]
+            if not missing:
+                raise
+            raise TimeoutError(f"tide: rank {rank} waited {wait.total_seconds():.0f} s in bootstrap "
+                               f"'{prefix}' (exchange {r}) for ranks {missing}") from e
+        return [store.get(k) for k in keys]
 
     return _tide.CallbackBootstrap(rank, world, allgather)
 

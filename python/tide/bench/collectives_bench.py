@@ -116,7 +116,7 @@ def _check(name, layout, window, rank, per_param, rs_out, tide_out, device) -> b
         for p, ref in zip(layout.params, per_param):
             ptr, nbytes = window.data_ptr(rank) + p.window_offset, ref.numel() * 2
             if device.type == "cuda":
-                from ..fsdp import _DeviceBytes
+                from ..fsdp._bucket import DeviceBytes as _DeviceBytes
                 raw = torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
             else:
                 import ctypes

@@ -1,0 +1,270 @@
+"""tide.fsdp: TIDE's zero-copy all-gather and mixed-precision reduce-scatter inside FSDP2.
+
+    model = ...; fully_shard(layer) for each layer; fully_shard(model)
+    handle = tide.fsdp.enable(model)   # after fully_shard, while the model is sharded (between steps)
+    ...train as usual...               # handle.counts(): TIDE's collectives since the last reset
+    tide.fsdp.disable(model)           # back to stock FSDP2
+
+What changes for a handled FSDP2 param group ("bucket"):
+- all-gather: each rank casts its shard straight into its slot of a window and pushes it to the same
+  slot on every peer; the window *is* the unsharded parameters' storage, so FSDP2's copy-in and
+  copy-out (``all_gather_copy_in``, ``split_with_sizes_copy``) never run;
+- reduce-scatter: per-parameter gradients are read in place and reduced in fp32 (or the reduce
+  dtype) into the shard, staging in the slots the all-gather vacated; FSDP2's copy-in
+  (``chunk_cat``) and its full-group reduce-dtype buffer never exist. Everything after the
+  reduce-scatter (divide factors, HSDP all-reduce, ``+=`` into ``.grad``, post-accumulate hooks)
+  is stock FSDP2's own code.
+
+The modules, by role: ``_fsdp2`` (every private FSDP2 symbol: the version adapter), ``_hooks``
+(how TIDE hooks FSDP2's functions), ``_dispatch`` (TIDE's versions of them), ``_bucket`` (one
+handled param group), ``_pool`` (pooled windows), ``_placement`` (nodes and transports),
+``_agreement`` (ranks agreeing through the store). docs/ARCHITECTURE.md has the design.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .. import _tide
+from . import _dispatch, _fsdp2, _hooks
+from ._agreement import check_agreement
+from ._bucket import TORCH_TO_TIDE, Bucket, Counts
+from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
+from ._pool import WindowPool, size_classes
+
+__all__ = ["enable", "disable", "TideFSDP", "NETWORKS", "topology_for", "transport_for"]
+
+log = logging.getLogger("tide.fsdp")
+NETWORKS = ("auto", "ipc", "nccl")
+
+
+class TideFSDP:
+    """What ``enable`` did: the handled buckets, the fallbacks (with reasons), the pools, and the
+    collectives TIDE ran since the last ``reset_counts``."""
+
+    def __init__(self):
+        self.buckets: list[Bucket] = []
+        self.fallbacks: list[tuple] = []  # (param group path, reason)
+        self.pools: list[WindowPool] = []
+        self._counts = Counts()
+
+    def counts(self) -> dict:
+        """TIDE's all-gathers and reduce-scatters (calls and bytes) since the last reset: what a
+        profiler or flight recorder would count for c10d collectives, which TIDE does not use."""
+        return self._counts.as_dict()
+
+    def reset_counts(self) -> None:
+        self._counts.reset()
+
+    def pool_bytes(self) -> int:
+        """Bytes of window memory this rank holds now (all pools)."""
+        return sum(p.total_bytes() for p in self.pools)
+
+    def enable_sm_stats(self, enabled: bool = True) -> None:
+        """CUDA: time TIDE's kernels (cast, reduce) from now on (off by default: it adds events)."""
+        for pool in self.pools:
+            for pooled in pool.all_windows():
+                if hasattr(pooled.executor, "enable_stats"):
+                    pooled.executor.reset_stats()
+                    pooled.executor.enable_stats(enabled)
+            pool.stats_enabled = enabled
+            for wide in pool.wide.values():
+                wide.stats_enabled = enabled
+
+    def sm_cta_us(self) -> float:
+        """CUDA: SM time of TIDE's kernels since enable_sm_stats, in CTA-microseconds (CTAs x kernel
+        time; copies and flags use no SMs). Synchronizes the executors. 0 on CPU."""
+        total = 0.0
+        for pool in self.pools:
+            for pooled in pool.all_windows():
+                if hasattr(pooled.executor, "stats"):
+                    st = pooled.executor.stats()
+                    total += st.cast_cta_us + st.reduce_cta_us
+        return total
+
+    def __repr__(self):
+        return (f"TideFSDP({len(self.buckets)} buckets handled, {len(self.fallbacks)} fallbacks, "
+                f"{sum(len(p.all_windows()) for p in self.pools)} pooled windows)")
+
+
+_enabled: dict = {}  # id(module) -> TideFSDP
+
+
+def _static_fallback_reason(param_group, group, param_name) -> str:
+    """Why a param group stays stock FSDP2, from the group alone ("" if TIDE can take it)."""
+    if group is None or group.size() <= 1:
+        return "world size 1 (nothing to communicate)"
+    device = param_group.device
+    if device.type == "cuda":
+        if not _tide.cuda_built:
+            return "device cuda: this build of TIDE has no CUDA transport (built without nvcc)"
+    elif device.type != "cpu":
+        return f"device {device}: TIDE runs on CPU and CUDA devices"
+    if _fsdp2.uses_post_forward_mesh(param_group):
+        return "reshard_after_forward as an int (post-forward resharding to a smaller mesh)"
+    reason = _fsdp2.custom_comm_reason(param_group)
+    if reason:
+        return reason
+    for i, fp in enumerate(param_group.fsdp_params):
+        name = param_name(fp, i)
+        if fp.offload_to_cpu and device.type == "cuda":
+            return "CPU offload on CUDA devices (the host-to-window copy is not built yet)"
+        if getattr(fp, "is_dtensor", False):
+            return f"{name} is a DTensor parameter (TP/EP)"
+        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+            return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
+        if fp.fsdp_placement.dim != 0:
+            return f"{name} is sharded on dim {fp.fsdp_placement.dim}"
+        orig, comm = _fsdp2.dtypes(fp, param_group)
+        if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
+            return f"{name} has dtype {orig} (communicated as {comm})"
+        d0 = fp._orig_size[0] if len(fp._orig_size) else 1
+        if fp.padded_sharded_param_size[0] != -(-d0 // group.size()):
+            return f"{name}: padded shard {tuple(fp.padded_sharded_param_size)} is not ceil(d0/W) rows"
+    return ""
+
+
+def _specs(param_group, param_name) -> list:
+    return [_tide.ParamSpec(param_name(fp, i), list(fp._orig_size),
+                            TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[1]],
+                            TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[0]])
+            for i, fp in enumerate(param_group.fsdp_params)]
+
+
+def _identity(path: str, param_group, reason: str, param_name) -> list:
+    """What every rank of the group must agree on about one param group: its place in the FSDP
+    tree, its params' names, shapes and dtypes, and whether TIDE takes it."""
+    params = [[param_name(fp, i), list(fp._orig_size), str(_fsdp2.dtypes(fp, param_group)[0]),
+               str(_fsdp2.dtypes(fp, param_group)[1])] for i, fp in enumerate(param_group.fsdp_params)]
+    return [path, params, reason]
+
+
+def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_node: int | None = None,
+           net=None, network: str = "auto") -> TideFSDP:
+    """Turns TIDE on for every FSDP2 param group under `module` (call after ``fully_shard``, with the
+    model sharded: before the first step or between steps). Returns what was handled.
+
+    Every rank of each process group must call it on the same model: the ranks check that they
+    describe their param groups identically (through the store, within `timeout_ms`, default
+    TIDE_TIMEOUT_MS) and raise tide.DesyncError on every rank otherwise, naming the first difference.
+
+    ranks_per_node: declares nodes of that many consecutive global ranks (default: LOCAL_WORLD_SIZE
+    as torchrun sets it; unset: every group is one node); groups that span several
+    run TIDE's across-node programs (recursive-doubling all-gather, two-phase reduce-scatter)
+    between them, with `net` (a tide.NetOptions: 16 MiB chunks by default) pacing the network
+    steps. ``tide.NetOptions(wire_dtype=tide.DType.bf16)`` sends the reduce-scatter's partial sums
+    as bf16 between nodes: half the bytes, but LOSSY (one bf16 rounding per transfer; results are
+    no longer bitwise equal to stock FSDP2's). A group on one node must have its ranks on one host.
+
+    network: what carries those steps on CUDA devices. "auto" (default): CUDA IPC when every rank
+    of the group is on this host (virtual nodes), else NCCL; "ipc"; "nccl" (a communicator per
+    pooled window, one rank per GPU). On CPU the host executor's host transport carries them
+    (virtual nodes of one host; "nccl" falls back)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"tide.fsdp.enable: module is {type(module).__name__}, expected an nn.Module")
+    if id(module) in _enabled:
+        raise ValueError("tide.fsdp.enable: TIDE is already enabled on this module")
+    if timeout_ms is not None and (not isinstance(timeout_ms, int) or timeout_ms <= 0):
+        raise ValueError(f"tide.fsdp.enable: timeout_ms = {timeout_ms!r}, expected a positive int")
+    if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node <= 0):
+        raise ValueError(f"tide.fsdp.enable: ranks_per_node = {ranks_per_node!r}, expected a positive int")
+    if ranks_per_node is None:
+        ranks_per_node = launcher_ranks_per_node()
+    if net is not None and not isinstance(net, _tide.NetOptions):
+        raise TypeError(f"tide.fsdp.enable: net is {type(net).__name__}, expected tide.NetOptions")
+    net = net if net is not None else _tide.NetOptions()
+    if network not in NETWORKS:
+        raise ValueError(f"tide.fsdp.enable: network = {network!r}, expected one of {NETWORKS}")
+    _fsdp2.check_torch_version()
+    groups = _fsdp2.param_groups(module)
+    if not groups:
+        raise ValueError("tide.fsdp.enable: no FSDP2 param groups under this module; call "
+                         "fully_shard(...) on it (or its submodules) first")
+    wait_ms = timeout_ms or _tide.default_timeout_ms()
+    for path, pg in groups:
+        if any(getattr(fp, "_tide_bucket", None) is not None for fp in pg.fsdp_params):
+            raise ValueError(f"tide.fsdp.enable: param group {path} is already handled by TIDE")
+        state = _fsdp2.state_fallback_reason(pg)
+        if state:
+            raise ValueError(f"tide.fsdp.enable: param group {path} {state}")
+
+    # 1. What the model alone decides, agreed by every rank of each process group.
+    param_name = _fsdp2.param_names(module)
+    decided = []  # (bucket id, path, param group, process group, topology, reason)
+    by_group: dict = {}  # group ranks -> (process group, identities in module order)
+    for bucket_id, (path, pg) in enumerate(groups):
+        group = _fsdp2.process_group(pg)
+        reason = _static_fallback_reason(pg, group, param_name)
+        topology = None
+        if not reason:
+            topology, reason = topology_for(dist.get_process_group_ranks(group), ranks_per_node)
+        decided.append((bucket_id, path, pg, group, topology, reason))
+        if group is not None and group.size() > 1:
+            key = tuple(dist.get_process_group_ranks(group))
+            by_group.setdefault(key, (group, []))[1].append(_identity(path, pg, reason, param_name))
+    rounds = {ranks: check_agreement(group, identities, wait_ms) for ranks, (group, identities) in by_group.items()}
+
+    # 2. Where the ranks are (the same answer on every rank of a group: exchanged).
+    where: dict = {}
+    result = TideFSDP()
+    by_ranks: dict = {}  # (group ranks, device) -> [(bucket, transport)]
+    for bucket_id, path, pg, group, topology, reason in decided:
+        transport = None
+        if not reason:
+            key = (tuple(dist.get_process_group_ranks(group)), pg.device.type)
+            if key not in where:
+                where[key] = placements(group, pg.device, wait_ms)
+            transport, reason = transport_for(where[key], pg.device.type, topology, network)
+        if reason:
+            result.fallbacks.append((path, reason))
+            log.warning("tide.fsdp: param group %s falls back to stock FSDP2: %s", path, reason)
+            continue
+        layout = _tide.BucketLayout(_specs(pg, param_name), topology)
+        bucket = Bucket(bucket_id, path, pg, group, layout, net, result._counts)
+        # FSDP2 may give each param group its own process-group object over the same ranks; TIDE
+        # talks through windows, not the group, so those buckets share pools.
+        by_ranks.setdefault((tuple(dist.get_process_group_ranks(group)), str(pg.device)), []).append(
+            (bucket, transport))
+        result.buckets.append(bucket)
+
+    # 3. Pools, named by the model (the enable round and the first bucket's path), not by process state.
+    for (ranks, _), entries in by_ranks.items():
+        transport = entries[0][1]  # a function of the ranks and the device: the same for all
+        for members in size_classes([b for b, _ in entries]):
+            name = f"tide/pool/{'-'.join(map(str, ranks))}/{rounds[ranks]}/{members[0].path}"
+            pool = WindowPool(members[0].group, max(b.window_bytes for b in members), timeout_ms,
+                              name, members[0].param_group.device, members[0].layout.topology,
+                              transport)
+            result.pools.append(pool)
+            for b in members:
+                b.attach(pool)
+    _hooks.acquire(_dispatch.REPLACEMENTS)
+    for b in result.buckets:
+        for fp in b.fsdp_params:
+            # A stock all-gather may have run before: its tensors must not back TIDE's params.
+            _fsdp2.forget_unsharded(fp)
+            fp._tide_bucket = b
+    _enabled[id(module)] = result
+    return result
+
+
+def disable(module: torch.nn.Module) -> None:
+    """Turns TIDE off for `module` (with the model sharded); FSDP2's stock path takes over."""
+    result = _enabled.get(id(module))
+    if result is None:
+        raise ValueError("tide.fsdp.disable: TIDE is not enabled on this module")
+    for b in result.buckets:
+        for fp in b.fsdp_params:
+            if fp.sharded_state != _fsdp2.ShardedState.SHARDED:
+                raise ValueError("tide.fsdp.disable: the model is not sharded; call it between steps")
+    del _enabled[id(module)]
+    for pool in result.pools:
+        pool.release_pending()
+    for b in result.buckets:
+        for fp in b.fsdp_params:
+            del fp._tide_bucket
+            _fsdp2.forget_unsharded(fp)
+    _hooks.release()

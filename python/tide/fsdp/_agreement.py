@@ -1,0 +1,106 @@
+"""Ranks agreeing before they act: an exchange of one string per rank through the torch.distributed
+store, bounded by a timeout, and the check that every rank of a process group describes its param
+groups the same way (else a DesyncError on every rank, naming the first difference).
+
+Keys carry the process group's global ranks, a topic and a round number counted per (store,
+topic, group, rank): the n-th exchange on a topic by this rank of this group in this
+torch.distributed world. Nothing comes from process state shared by ranks, so ranks that are
+threads of one process (FSDP2's multi-threaded tests) meet on the same keys as ranks that are
+processes, and a new world (a new store) starts from round 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+
+import torch.distributed as dist
+
+from .. import _tide
+
+_rounds: dict = {}
+_stores: dict = {}  # id -> store: keeps each store alive, so its id is never reused for another
+_lock = threading.Lock()
+
+
+def _group_ranks(group) -> tuple:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def exchange(group, topic: str, mine: str, timeout_ms: int) -> list:
+    """Every group rank's `mine`, in group-rank order. A rank missing after `timeout_ms` is a
+    TimeoutError naming it (it never called, or called a different number of times)."""
+    return _exchange(group, topic, mine, timeout_ms)[1]
+
+
+def _exchange(group, topic: str, mine: str, timeout_ms: int) -> tuple:
+    store = dist.distributed_c10d._get_default_store()
+    ranks, rank = _group_ranks(group), group.rank()
+    base = f"tide/{topic}/{'-'.join(map(str, ranks))}"
+    with _lock:
+        _stores[id(store)] = store
+        n = _rounds.get((id(store), base, rank), 0)
+        _rounds[(id(store), base, rank)] = n + 1
+    keys = [f"{base}/{n}/{q}" for q in range(len(ranks))]
+    store.set(keys[rank], mine)
+    try:
+        store.wait(keys, datetime.timedelta(milliseconds=timeout_ms))
+    except Exception as e:  # noqa: BLE001 - c10d raises DistStoreError / RuntimeError by version
+        missing = [q for q, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            raise
+        raise TimeoutError(
+            f"tide.fsdp: rank {rank} of process group {list(ranks)} waited {timeout_ms} ms at "
+            f"'{topic}' (round {n}) for group ranks {missing} (global {[ranks[q] for q in missing]}): "
+            "they did not reach it, or reached it a different number of times (every rank must "
+            "call tide.fsdp.enable on the same model)") from e
+    return n, [store.get(k).decode() for k in keys]
+
+
+def check_agreement(group, entries: list, timeout_ms: int) -> int:
+    """Raises tide.DesyncError on every rank of `group` unless every rank passed equal `entries`
+    (JSON-able descriptions of the group's param groups in module order). Returns the round: how
+    many agreements this rank of this group reached before, the same on every rank of it."""
+    ranks = _group_ranks(group)
+    mine = json.dumps(entries, sort_keys=True)
+    n, theirs = _exchange(group, "enable", mine, timeout_ms)
+    if all(t == theirs[0] for t in theirs):
+        return n
+    lists = [json.loads(t) for t in theirs]
+    for i in range(max(len(x) for x in lists)):
+        at = [x[i] if i < len(x) else None for x in lists]
+        other = next((q for q in range(len(at)) if at[q] != at[0]), None)
+        if other is not None:
+            raise _tide.DesyncError(
+                f"tide.fsdp.enable: the ranks of process group {list(ranks)} disagree on param group "
+                f"{i}: {_difference(at[0], at[other])} on group rank 0 (global {ranks[0]}) vs group "
+                f"rank {other} (global {ranks[other]}); every rank must call enable on the same "
+                "model, sharded the same way")
+    raise AssertionError("unreachable: the lists differ")
+
+
+def _difference(a, b) -> str:
+    """The first thing that differs between two param-group identities [path, params, decision]."""
+    if a is None or b is None:
+        present = a if a is not None else b
+        return (f"{present[0]!r} exists on one rank only ("
+                f"{'fewer' if a is None else 'more'} param groups)")
+    path_a, params_a, decision_a = a
+    path_b, params_b, decision_b = b
+    if path_a != path_b:
+        return f"module {path_a!r} vs {path_b!r}"
+    for k in range(max(len(params_a), len(params_b))):
+        pa = params_a[k] if k < len(params_a) else None
+        pb = params_b[k] if k < len(params_b) else None
+        if pa != pb:
+            return f"module {path_a!r} param {k}: {_param(pa)} vs {_param(pb)}"
+    return f"module {path_a!r}: TIDE {_decision(decision_a)} vs {_decision(decision_b)}"
+
+
+def _param(p) -> str:
+    return "none" if p is None else f"{p[0]} {p[1]} {p[2]}/{p[3]}"
+
+
+def _decision(reason: str) -> str:
+    return f"falls back ({reason})" if reason else "handles it"

@@ -1,0 +1,261 @@
+"""One FSDP2 param group handled by TIDE ("bucket"): its layout and plans, the fixed address its
+unsharded parameters live at, the pooled window mapped there now, and its two collectives."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import _tide
+from . import _fsdp2
+
+TORCH_TO_TIDE = {torch.bfloat16: _tide.DType.bf16, torch.float16: _tide.DType.fp16,
+                 torch.float32: _tide.DType.fp32}
+TIDE_TO_TORCH = {v: k for k, v in TORCH_TO_TIDE.items()}
+
+
+class DeviceBytes:
+    """`nbytes` of device memory at `ptr`, as a __cuda_array_interface__ for a zero-copy tensor."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None, "stream": None}
+
+
+class Counts:
+    """TIDE's collectives since the last reset, as a user reads them from the handle."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.all_gathers = self.reduce_scatters = 0
+        self.all_gather_bytes = self.reduce_scatter_bytes = 0
+
+    def as_dict(self) -> dict:
+        return {"all_gathers": self.all_gathers, "reduce_scatters": self.reduce_scatters,
+                "all_gather_bytes": self.all_gather_bytes, "reduce_scatter_bytes": self.reduce_scatter_bytes}
+
+
+def _profiled(label: str, cuda: bool):
+    """A profiler range (torch.profiler's record_function) and, on CUDA, an NVTX range."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.profiler.record_function(label))
+    if cuda:
+        stack.enter_context(torch.cuda.nvtx.range(label))
+    return stack
+
+
+class Bucket:
+    def __init__(self, bucket_id: int, path: str, param_group, group, layout, net, counts: Counts):
+        self.id, self.path, self.param_group, self.group = bucket_id, path, param_group, group
+        self.fsdp_params = list(param_group.fsdp_params)
+        self.index = {id(p): i for i, p in enumerate(self.fsdp_params)}
+        self.layout, self.net, self.counts = layout, net, counts
+        self.rank = group.rank()
+        self.ag_program = _tide.plan_all_gather(layout, self.rank, bucket_id, net)
+        # Across nodes the reduce-scatter stages partial sums after the bucket's window: a window
+        # holds the larger of the two programs' windows (a subset's is never larger).
+        self.window_bytes = max(self.ag_program.window_bytes,
+                                _tide.plan_reduce_scatter(layout, self.rank, _tide.ReduceOptions(),
+                                                          bucket_id, net).window_bytes)
+        self.ag_bytes = sum(layout.world * p.slot_bytes for p in layout.params)
+        self.rs_programs: dict = {}
+        self.pool = None
+        self.range = None
+        self.param_outputs: list[torch.Tensor] = []
+        self.window = None  # the PooledWindow mapped at the fixed address now
+        self.vacated = False
+
+    def attach(self, pool) -> None:
+        self.pool = pool
+        self.cuda = pool.device.type == "cuda"
+        self.range = (_tide.CudaAddressRange if self.cuda else _tide.HostAddressRange)(pool.window_bytes)
+        self.freed = None  # CUDA: event on the compute stream after the params' last use
+
+    def _ensure_param_outputs(self) -> None:
+        # One tensor per param over the bucket's fixed address, each with its own storage starting at
+        # the param (FSDP2 views it with as_strided(storage_offset=0)); created once, never resized.
+        if self.param_outputs:
+            return
+        for p in self.layout.params:
+            nbytes = self.layout.world * p.slot_bytes
+            if self.cuda:
+                raw = torch.as_tensor(DeviceBytes(self.range.ptr + p.window_offset, nbytes),
+                                      device=self.pool.device)
+            else:
+                raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.range.ptr + p.window_offset),
+                                       dtype=torch.uint8)
+            self.param_outputs.append(raw.view(TIDE_TO_TORCH[p.dtype]))
+
+    def _map_window(self) -> None:
+        if self.cuda:
+            # The range is remapped by the host: the params' last readers (kernels on the compute
+            # stream, recorded when FSDP2 freed them) must be done with the old mapping.
+            if self.freed is not None:
+                self.freed.synchronize()
+            self.range.map_data_of(self.window.window)
+        else:
+            self.window.window.map_data_into(self.range)
+
+    def check_state(self, all_gather_comm) -> None:
+        """Refuses FSDP2 settings changed after enable that TIDE would silently override."""
+        if not _fsdp2.is_default_comm(all_gather_comm, "all_gather"):
+            raise ValueError(f"tide.fsdp: param group {self.path}: a custom all-gather comm "
+                             f"({type(all_gather_comm).__name__}) was set after tide.fsdp.enable; set "
+                             "it before enable (the group then stays stock FSDP2)")
+        if _fsdp2.uses_post_forward_mesh(self.param_group):
+            raise ValueError(f"tide.fsdp: param group {self.path}: reshard_after_forward became an int "
+                             "after tide.fsdp.enable; set it before enable (the group then stays stock)")
+
+    def all_gather(self, stream=None):
+        if self.window is None:
+            self.window = self.pool.acquire()
+            self._map_window()
+        elif self.vacated:  # freed, then gathered again before anyone else took the window
+            self.pool.pending.remove(self)
+        self.vacated = False
+        self._ensure_param_outputs()
+        shards = []
+        for p, fp in zip(self.layout.params, self.fsdp_params):
+            data = fp._sharded_param_data
+            if data.dtype != TIDE_TO_TORCH[p.shard_dtype] or not data.is_contiguous():
+                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
+                                   f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
+                                   f"contiguous {TIDE_TO_TORCH[p.shard_dtype]}")
+            if data.device.type != self.pool.device.type:
+                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
+                                   f"on {data.device}, expected {self.pool.device}")
+            shards.append(data.data_ptr())
+        self.counts.all_gathers += 1
+        self.counts.all_gather_bytes += self.ag_bytes
+        event = None
+        with _profiled(f"tide::all_gather {self.path} ({self.ag_bytes} B)", self.cuda):
+            if self.cuda:
+                # On FSDP2's all-gather stream, after the compute stream (optimizer steps write
+                # the shards) and after the window's previous user; FSDP2 waits on the event.
+                stream = stream or torch.cuda.current_stream(self.pool.device)
+                stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+                self.window.use_on(stream)
+                self.window.executor.run(self.ag_program, shards)
+                event = stream.record_event()
+            else:
+                self.window.executor.run(self.ag_program, shards)
+        return _fsdp2.all_gather_result(self.param_outputs[0], self.fsdp_params,
+                                        [p.shard_numel for p in self.layout.params], event)
+
+    def owns(self, all_gather_result) -> bool:
+        return bool(self.param_outputs) and all_gather_result.all_gather_output is self.param_outputs[0]
+
+    def copy_out(self) -> None:
+        for fp, out in zip(self.fsdp_params, self.param_outputs):
+            if not fp.all_gather_outputs or fp.all_gather_outputs[0] is not out:
+                fp.all_gather_outputs = [out]
+
+    def on_params_freed(self) -> None:
+        if self.window is None:
+            # FSDP2 frees unsharded params only after an all-gather built them: this one ran
+            # without TIDE, so TIDE's window is not what the params are (or were) built on.
+            raise RuntimeError(
+                f"tide.fsdp: param group {self.path}: FSDP2 freed parameters that TIDE did not gather: "
+                "its all-gather ran past TIDE (code that replaced foreach_all_gather without "
+                "calling the original?). TIDE cannot vouch for this model's parameters; "
+                "call tide.fsdp.disable(model) before replacing FSDP2's functions")
+        if not self.vacated:
+            if self.cuda:  # the params' last readers were enqueued on the current stream
+                self.freed = torch.cuda.current_stream(self.pool.device).record_event()
+                self.window.ready = self.freed
+            self.vacated = True
+            self.pool.pending.append(self)
+
+    def release_window(self) -> None:
+        if self.window is not None:
+            self.pool.release(self.window)
+        self.window, self.vacated = None, False
+
+    def take_staging_window(self):
+        """The window the reduce-scatter stages in: the one the all-gather vacated (Slot-Reuse),
+        or a pool window when this bucket's params are still in use (reshard_after_backward=False)."""
+        if self.window is not None and self.vacated:
+            self.pool.pending.remove(self)
+            window, self.window, self.vacated = self.window, None, False
+            return window
+        return self.pool.acquire()
+
+    def rs_program(self, subset: tuple, grad_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                   options_key: tuple):
+        key = (subset, grad_dtype, reduce_dtype, options_key)
+        program = self.rs_programs.get(key)
+        if program is None:
+            specs = [_tide.ParamSpec(self.layout.params[i].name, list(self.layout.params[i].shape),
+                                     TORCH_TO_TIDE[grad_dtype], TORCH_TO_TIDE[reduce_dtype])
+                     for i in subset]
+            layout = _tide.BucketLayout(specs, self.layout.topology)
+            kind, prescale = options_key
+            options = _tide.ReduceOptions(kind=kind, prescale=prescale)
+            program = (layout, _tide.plan_reduce_scatter(layout, self.rank, options, self.id, self.net))
+            self.rs_programs[key] = program
+        return program
+
+
+class ReduceScatterComm:
+    """Stands in for FSDP2's reduce-scatter comm inside stock ``foreach_reduce``: the full-group
+    input buffer it allocates is a one-element stand-in (copy-in is skipped for it), and the
+    "collective" is TIDE-RS from the per-parameter gradients straight into the output shard."""
+
+    def __init__(self, bucket: Bucket, subset: tuple, divide_factor):
+        self.bucket, self.subset, self.divide_factor = bucket, subset, divide_factor
+        self.input_standin: torch.Tensor | None = None
+        self.grads: list[torch.Tensor] | None = None
+
+    def allocate(self, size, *, dtype, device):
+        if self.input_standin is None:
+            numel = math.prod(size)
+            self.input_standin = torch.empty(1, dtype=dtype, device=device).expand(numel)
+            return self.input_standin
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
+        if input_tensor is not self.input_standin or self.grads is None:
+            raise RuntimeError("tide.fsdp: reduce-scatter called without TIDE's gradient hand-off "
+                               "(FSDP2 internals changed?)")
+        bucket, grads = self.bucket, self.grads
+        if op == dist.ReduceOp.AVG:
+            options_key = (_tide.ReduceKind.avg, 1.0)
+        elif op == dist.ReduceOp.SUM:
+            options_key = (_tide.ReduceKind.sum, 1.0)
+        else:  # PREMUL_SUM(1 / gradient_divide_factor)
+            options_key = (_tide.ReduceKind.sum, 1.0 / float(self.divide_factor))
+        layout, program = bucket.rs_program(self.subset, grads[0].dtype, output_tensor.dtype, options_key)
+        outputs, offset = [], 0
+        base, itemsize = output_tensor.data_ptr(), output_tensor.element_size()
+        for p in layout.params:  # stock's flat output layout: padded shards back to back
+            outputs.append(base + offset * itemsize)
+            offset += p.shard_numel
+        if program.window_bytes > bucket.pool.window_bytes:
+            staging_pool = bucket.pool.wide_pool(program.window_bytes)
+            window = staging_pool.acquire()
+        else:
+            staging_pool, window = bucket.pool, bucket.take_staging_window()
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        bucket.counts.reduce_scatters += 1
+        bucket.counts.reduce_scatter_bytes += nbytes
+        try:
+            with _profiled(f"tide::reduce_scatter {bucket.path} ({nbytes} B)", bucket.cuda):
+                if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
+                    stream = torch.cuda.current_stream(bucket.pool.device)
+                    window.use_on(stream)
+                    window.executor.run(program, [g.data_ptr() for g in grads], outputs)
+                    for g in grads:  # read in place on this stream; freed by the compute stream
+                        g.record_stream(stream)
+                    window.ready = stream.record_event()
+                else:
+                    window.executor.run(program, [g.data_ptr() for g in grads], outputs)
+        finally:
+            staging_pool.release(window)
+            self.grads = None
+        return None

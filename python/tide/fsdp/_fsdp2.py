@@ -1,0 +1,165 @@
+"""The version adapter: every private FSDP2 symbol tide.fsdp touches, and nothing else.
+
+FSDP2's internals (``torch.distributed.fsdp._fully_shard``) change between releases; this module
+is the one place that reads them, so a new torch version means reading this file against its
+sources (docs/notes/fsdp2_internals.md lists what differs). ``check_torch_version`` refuses, with
+one line, a version outside the range tide.fsdp is written and tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+from torch.distributed.fsdp._fully_shard import _fsdp_common as common
+from torch.distributed.fsdp._fully_shard import _fsdp_param as param_module
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+# Written against 2.11 and 2.13 (2.14 is 2.13 for FSDP2); 2.12 and 2.15 read from their sources.
+SUPPORTED = ((2, 11), (2, 15))
+
+ShardedState = param_module.ShardedState
+TrainingState = common.TrainingState
+AllGatherResult = collectives.AllGatherResult
+
+# The functions TIDE hooks: (module, attribute path, function name inside FSDP2's source file).
+# _hooks.py hooks the function objects themselves, so every reference to them sees TIDE.
+HOOK_TARGETS = {
+    "foreach_all_gather": (group_module, "foreach_all_gather"),
+    "foreach_all_gather_copy_out": (group_module, "foreach_all_gather_copy_out"),
+    "foreach_reduce": (group_module, "foreach_reduce"),
+    "foreach_reduce_scatter_copy_in": (collectives, "foreach_reduce_scatter_copy_in"),
+    "free_unsharded_param": (param_module.FSDPParam, "free_unsharded_param"),
+}
+def hook_locations(name: str) -> list:
+    """(owner, attribute) pairs where FSDP2 keeps the function `name`: where it calls it from and
+    where it is defined (other code may have rebound either)."""
+    owner, attr = HOOK_TARGETS[name]
+    defined = param_module.FSDPParam if name == "free_unsharded_param" else collectives
+    return [(owner, attr), (defined, attr)]
+
+
+# Where each hooked function is defined (its code object's file): how the stock function is told
+# from other code's wrappers around it.
+SOURCE_FILES = {
+    "foreach_all_gather": collectives.__file__,
+    "foreach_all_gather_copy_out": collectives.__file__,
+    "foreach_reduce": collectives.__file__,
+    "foreach_reduce_scatter_copy_in": collectives.__file__,
+    "free_unsharded_param": param_module.__file__,
+}
+
+
+def torch_version() -> tuple:
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def check_torch_version() -> None:
+    low, high = SUPPORTED
+    if not low <= torch_version() <= high:
+        raise RuntimeError(
+            f"tide.fsdp: torch {torch.__version__} is outside the versions tide.fsdp supports "
+            f"({low[0]}.{low[1]} to {high[0]}.{high[1]}); its FSDP2 internals are unknown to it")
+
+
+def param_groups(module: torch.nn.Module) -> list:
+    """(module path, FSDPParamGroup) for every param group under `module`, in module order
+    (identical on every rank). The path comes from the module tree: FSDP2 sets its own
+    ``_module_fqn`` only at lazy init (first forward)."""
+    groups, seen = [], set()
+    for path, m in module.named_modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        found = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: a list per module
+        if found is None:
+            single = getattr(state, "_fsdp_param_group", None)  # torch 2.11
+            found = [single] if single is not None else []
+        for g in found:
+            if id(g) not in seen:
+                seen.add(id(g))
+                groups.append((path or "<root>", g))
+    return groups
+
+
+def process_group(param_group):
+    """The process group a param group all-gathers and reduce-scatters over (None: no sharding)."""
+    return getattr(param_group, "_all_gather_process_group", None) if hasattr(param_group, "mesh_info") else None
+
+
+def state_fallback_reason(param_group) -> str:
+    """Why a param group's current state is one TIDE does not own ("" if it can take it over)."""
+    if getattr(param_group, "_all_gather_result", None) is not None:
+        return ("has an all-gather in flight (unshard(async_op=True) not yet waited on, or a "
+                "prefetch): enable TIDE before it, or after the step that consumes it")
+    state = getattr(param_group, "_training_state", TrainingState.IDLE)
+    if state != TrainingState.IDLE:
+        return f"is in training state {state.name}: enable TIDE between steps"
+    for fp in param_group.fsdp_params:
+        if fp.sharded_state != ShardedState.SHARDED:
+            return f"is {fp.sharded_state}: enable TIDE while the model is sharded (outside forward/backward)"
+    return ""
+
+
+def uses_post_forward_mesh(param_group) -> bool:
+    return bool(getattr(param_group, "_use_post_forward_mesh", False))
+
+
+def custom_comm_reason(param_group) -> str:
+    """Non-empty when the group's all-gather or reduce-scatter comm is not FSDP2's default (torch
+    >= 2.12: set_custom_all_gather / set_custom_reduce_scatter, symmetric memory, allocation from
+    the process group): TIDE would replace the user's comm, so such a group stays stock."""
+    default_ag = getattr(collectives, "DefaultAllGather", None)
+    default_rs = getattr(collectives, "DefaultReduceScatter", None)
+    ag = getattr(param_group, "_all_gather_comm", None)
+    rs = getattr(param_group, "_reduce_scatter_comm", None)
+    if ag is not None and default_ag is not None and type(ag) is not default_ag:
+        return f"a custom all-gather comm ({type(ag).__name__})"
+    if rs is not None and default_rs is not None and type(rs) is not default_rs:
+        return f"a custom reduce-scatter comm ({type(rs).__name__})"
+    return ""
+
+
+def is_default_comm(comm, kind: str) -> bool:
+    """Whether a comm object passed to foreach_all_gather / foreach_reduce is FSDP2's default
+    (None on versions without comm objects)."""
+    cls = getattr(collectives, "DefaultAllGather" if kind == "all_gather" else "DefaultReduceScatter", None)
+    return comm is None or cls is None or type(comm) is cls
+
+
+def param_names(module: torch.nn.Module):
+    """A function naming an FSDPParam by its path under `module` ("blocks.0.q.weight"): the same on
+    every rank, and set before the first forward (FSDP2's own ``_param_fqn`` is set at lazy init)."""
+    paths = {id(m): p for p, m in module.named_modules()}
+
+    def name(fp, index: int) -> str:
+        info = getattr(fp, "_module_info", None)
+        owner, attr = getattr(info, "module", None), getattr(info, "param_name", None)
+        if owner is not None and attr and id(owner) in paths:
+            return f"{paths[id(owner)]}.{attr}".lstrip(".")
+        return getattr(fp, "_param_fqn", None) or attr or f"param{index}"
+
+    return name
+
+
+def dtypes(fp, param_group) -> tuple:
+    """(sharded dtype, unsharded/communication dtype) of a param. FSDPParam sets its own dtype
+    attributes only at lazy init (first forward); enable() may run before that."""
+    orig = fp.sharded_param.dtype
+    return orig, (param_group.mp_policy.param_dtype or orig)
+
+
+def all_gather_result(output: torch.Tensor, fsdp_params, numels: list, event=None):
+    fields = dict(all_gather_output=output, all_gather_event=event, all_gather_work=None,
+                  param_all_gather_input_dtypes=[[output.dtype] for _ in fsdp_params],
+                  param_all_gather_input_numels=[[n] for n in numels],
+                  all_gather_input_split_sizes=list(numels))
+    return AllGatherResult(**{f: fields[f] for f in AllGatherResult._fields})
+
+
+def forget_unsharded(fp) -> None:
+    """Drops a param's unsharded tensors (a stock all-gather's, or TIDE's) so that the next
+    all-gather's output backs the unsharded parameter."""
+    fp.all_gather_outputs = []
+    if hasattr(fp, "_unsharded_param"):
+        del fp._unsharded_param

@@ -1,0 +1,83 @@
+"""Where a process group's ranks are, and what that allows: one node or several, and what carries
+TIDE's steps between nodes (the host transport, CUDA IPC or NCCL). ``topology_for`` and
+``transport_for`` are pure, so tide-bench refuses a configuration with the same decisions before
+anything runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from .. import _tide
+from ._agreement import exchange
+
+
+def placements(group, device: torch.device, timeout_ms: int) -> list:
+    """(host name, GPU uuid or "") of every rank of `group`, in group-rank order: where windows can
+    be mapped (one host) and whether NCCL can run (one rank per GPU). Asked over the store."""
+    gpu = ""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = str(getattr(props, "uuid", "")) or f"{props.name}#{getattr(props, 'pci_bus_id', device.index)}"
+    mine = f"{socket.gethostname()}|{gpu}"
+    return [tuple(v.split("|", 1)) for v in exchange(group, f"placement/{device.type}", mine, timeout_ms)]
+
+
+def transport_for(placements: list, device_type: str, topology, network: str):
+    """(transport between the group's nodes, "") or (None, why the group falls back), from where
+    the group's ranks are: `placements` is (host, GPU uuid or "") per group rank. The transport is
+    None for one node, "host" (CPU: the host executor's), "ipc" (CUDA IPC, every rank on this
+    host) or "nccl" (one communicator per window, node-local work still by CUDA IPC). Pure, so
+    tide-bench refuses a configuration with the same decision before anything runs."""
+    hosts = [h for h, _ in placements]
+    one_host = len(set(hosts)) == 1
+    if topology.nodes == 1:
+        if not one_host:
+            return None, (f"ranks on several hosts ({', '.join(sorted(set(hosts)))}) as one node: "
+                          "declare the nodes with enable(ranks_per_node=...), e.g. LOCAL_WORLD_SIZE")
+        return None, ""
+    for n in range(topology.nodes):
+        node_hosts = set(hosts[n * topology.local:(n + 1) * topology.local])
+        if len(node_hosts) > 1:
+            return None, f"node {n}'s ranks are on several hosts ({', '.join(sorted(node_hosts))})"
+    if device_type == "cpu":
+        if network == "nccl":
+            return None, "network='nccl' on CPU devices (their network is TIDE's host transport)"
+        if not one_host:
+            return None, "CPU ranks on several hosts (the host transport needs them on one host)"
+        return "host", ""
+    transport = ("ipc" if one_host else "nccl") if network == "auto" else network
+    if transport == "ipc" and not one_host:
+        return None, "network='ipc' needs every rank of the group on this host"
+    if transport == "nccl" and len(set(placements)) < len(placements):  # (host, GPU) pairs
+        return None, "network='nccl' with ranks sharing a GPU (NCCL refuses two ranks on one GPU)"
+    return transport, ""
+
+
+def launcher_ranks_per_node() -> int | None:
+    """LOCAL_WORLD_SIZE, as torchrun sets it (the ranks of one node), or None where it is unset."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"tide.fsdp.enable: LOCAL_WORLD_SIZE = {value!r}, expected a positive int "
+                         "(or pass ranks_per_node)")
+    return int(value)
+
+
+def topology_for(ranks: list, ranks_per_node):
+    """(topology, "") of a process group's global `ranks`, or (None, why not). Without
+    ranks_per_node the group is one node; with it, global rank g is on node g // ranks_per_node,
+    and the group must hold as many ranks of every node it spans, node after node (TIDE's rank =
+    node * local + local rank)."""
+    if ranks_per_node is None:
+        return _tide.Topology.single_node(len(ranks)), ""
+    nodes = [g // ranks_per_node for g in ranks]
+    distinct = list(dict.fromkeys(nodes))
+    local = len(ranks) // len(distinct)
+    if nodes != [n for n in distinct for _ in range(local)]:
+        return None, (f"ranks {ranks} are not node-major with as many on every node "
+                      f"(ranks_per_node={ranks_per_node})")
+    return _tide.Topology(len(distinct), local), ""

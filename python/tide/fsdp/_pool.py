@@ -1,0 +1,109 @@
+"""Windows pooled per process group's ranks and size class, each with the executor that runs
+programs on it."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _tide
+from ..distributed import store_bootstrap
+
+
+class PooledWindow:
+    """One window of a pool and its executor. On CUDA, `ready` is the event after which the window
+    may be written again (its last reader's stream recorded it)."""
+
+    def __init__(self, window, executor):
+        self.window, self.executor = window, executor
+        self.ready = None  # torch.cuda.Event or None
+
+    def use_on(self, stream) -> None:
+        """CUDA: the next program on this window runs on `stream`, after the window's last use."""
+        if self.ready is not None:
+            stream.wait_event(self.ready)
+        self.executor.set_stream(stream.cuda_stream)
+
+
+class WindowPool:
+    """Windows of one size shared by every bucket of a process group. Every rank acquires and
+    releases at the same points of FSDP2's schedule, so pool decisions agree across ranks and a new
+    window (a collective) is created by all ranks together. On CUDA the windows are VMM windows
+    (their data can be mapped at each bucket's fixed address)."""
+
+    def __init__(self, group, window_bytes: int, timeout_ms, name: str, device: torch.device, topology,
+                 transport):
+        self.group, self.window_bytes, self.timeout_ms, self.device = group, window_bytes, timeout_ms, device
+        self.topology, self.transport = topology, transport  # transport: see _placement.transport_for
+        self.name = name
+        self.bootstrap = store_bootstrap(group, name, timeout_ms)
+        self.wide: dict = {}  # window bytes -> WindowPool, for reduce-scatters that outgrow a window
+        self.free: list[PooledWindow] = []
+        self.windows: list[PooledWindow] = []
+        self.pending: list = []  # buckets whose params were freed; released at the next acquire
+        self.stats_enabled = False
+
+    def acquire(self) -> PooledWindow:
+        self.release_pending()
+        if self.free:
+            return self.free.pop()
+        if self.device.type == "cuda":
+            # IPC between nodes: every rank's window is mapped (all on this host). NCCL: a
+            # communicator per window, since windows can have an all-gather and a reduce-scatter
+            # in flight at once and NCCL needs one order of operations per communicator.
+            comm = _tide.NcclComm.create(self.bootstrap) if self.transport == "nccl" else None
+            reach = _tide.CudaReach.host if self.transport == "ipc" else _tide.CudaReach.node
+            window = _tide.CudaWindow.create(self.bootstrap, self.window_bytes, self.topology,
+                                             _tide.CudaMemory.vmm, reach)
+            executor = _tide.CudaExecutor(window, torch.cuda.current_stream(self.device).cuda_stream,
+                                          self.timeout_ms, comm)
+            if self.stats_enabled:
+                executor.enable_stats(True)
+        else:
+            window = _tide.HostWindow.create(self.bootstrap, self.window_bytes)
+            executor = _tide.HostExecutor(window, self.timeout_ms)
+        pooled = PooledWindow(window, executor)
+        self.windows.append(pooled)
+        return pooled
+
+    def release(self, pooled: PooledWindow) -> None:
+        self.free.append(pooled)
+
+    def wide_pool(self, window_bytes: int) -> "WindowPool":
+        """The pool of `window_bytes` windows for reduce-scatters whose gradients do not fit a
+        window (gradient accumulation keeps bf16 params' unsharded gradients in an fp32 reduce
+        dtype: twice the window). Same decision, same name on every rank: created together."""
+        pool = self.wide.get(window_bytes)
+        if pool is None:
+            pool = WindowPool(self.group, window_bytes, self.timeout_ms, f"{self.name}/wide/{window_bytes}",
+                              self.device, self.topology, self.transport)
+            pool.stats_enabled = self.stats_enabled
+            self.wide[window_bytes] = pool
+        return pool
+
+    def all_windows(self) -> list:
+        return self.windows + [w for pool in self.wide.values() for w in pool.all_windows()]
+
+    def total_bytes(self) -> int:
+        return len(self.windows) * self.window_bytes + sum(p.total_bytes() for p in self.wide.values())
+
+    def release_pending(self) -> None:
+        for bucket in self.pending:
+            bucket.release_window()
+        self.pending.clear()
+
+
+SIZE_CLASS_RATIO = 1.25
+
+
+def size_classes(buckets: list) -> list:
+    """Buckets grouped into pools of similar window size: each pool's windows are as large as its
+    largest bucket, so one pool for a root (embedding + head) and the layers would size every
+    layer's window for the root. A class holds sizes within SIZE_CLASS_RATIO of its smallest.
+    Deterministic in the layouts, hence the same on every rank."""
+    classes: list = []
+    for b in sorted(buckets, key=lambda b: (b.window_bytes, b.id)):
+        if classes and b.window_bytes <= SIZE_CLASS_RATIO * classes[-1][0].window_bytes:
+            classes[-1].append(b)
+        else:
+            classes.append([b])
+    return classes

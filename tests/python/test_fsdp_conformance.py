@@ -1,0 +1,427 @@
+"""tide.fsdp among everything else that touches FSDP2 (issue 15), on CPU with ranks as threads of
+one process (FSDP2's multi-threaded tests' world: the "threaded" backend). Every case trains the
+same model with stock FSDP2 and with TIDE and compares, and asserts that TIDE handled the groups:
+the counts on its handle moved and FSDP2's layout copies did not run. At W = 2 every reduction is a
+sum of two numbers, so parameters must be bitwise equal to stock's."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+import fsdp_harness as h
+import threaded_world
+import tide
+import tide.fsdp
+
+_construct = threading.Lock()  # torch's global RNG: one thread-rank builds its model at a time
+
+
+def make(layers=5, tied=False, shard_kwargs=None, root_kwargs=None, mesh=None):
+    with _construct:
+        torch.manual_seed(0)
+        model = h.TinyLlama(layers=layers, tied=tied)
+    kw = dict(shard_kwargs or {})
+    if mesh is not None:
+        kw["mesh"] = mesh
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **{**kw, **(root_kwargs or {})})
+    return model
+
+
+def step(model, gen, micro=1, sync_pattern=None, last_pattern=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for m in range(micro):
+        if sync_pattern is not None:
+            model.set_requires_gradient_sync(sync_pattern[m])
+        if last_pattern is not None:
+            model.set_is_last_backward(last_pattern[m])
+        tokens = torch.randint(0, h.VOCAB, (2, 8), generator=gen)
+        loss = F.cross_entropy(model(tokens).view(-1, h.VOCAB), tokens.roll(-1, 1).view(-1))
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def params_of(model):
+    for m in model.modules():  # reshard_after_backward=False leaves them unsharded
+        if isinstance(m, torch.distributed.fsdp.FSDPModule):
+            m.reshard()
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def train(model, steps=2, **kw):
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    counter = h.OpCounter()
+    with counter:
+        for _ in range(steps):
+            step(model, gen, **kw)
+    return params_of(model), counter.counts
+
+
+def _step_counts(world=2):
+    """One step of make()'s model, fp32: 6 groups gathered in forward and the 5 blocks again in
+    backward (the root stays unsharded), 6 reduce-scatters. All-gather bytes: every param padded to
+    ceil(d0 / W) rows per rank, W ranks, 4 B; reduce-scatter bytes: the gradients as they are."""
+    model = h.TinyLlama()
+
+    def gathered(params):
+        return sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) * 4 for p in params)
+
+    blocks = [p for b in model.blocks for p in b.parameters()]
+    root = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    return {"all_gathers": 11, "reduce_scatters": 6,
+            "all_gather_bytes": 2 * gathered(blocks) + gathered(root),
+            "reduce_scatter_bytes": sum(p.numel() * 4 for p in model.parameters())}
+
+
+STEP_COUNTS = _step_counts()
+
+
+def assert_handled(handle, ops, groups=6):
+    assert len(handle.buckets) == groups and handle.fallbacks == [], (handle, handle.fallbacks)
+    counts = handle.counts()
+    assert counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, counts
+    assert ops == {"split_with_sizes_copy": 0, "chunk_cat": 0, "all_gather_copy_in": 0}, ops
+
+
+def compare(world, build, train_kwargs=None, before_train=None, tol=0.0):
+    """stock vs TIDE on `world` thread-ranks; returns per rank (max |diff|, handle)."""
+    train_kwargs = train_kwargs or {}
+
+    def rank_fn(rank):
+        stock, stock_ops = train(build(), **train_kwargs)
+        assert stock_ops["chunk_cat"] > 0, "the counter sees stock FSDP2's copies"
+        model = build()
+        handle = tide.fsdp.enable(model, timeout_ms=30000)
+        if before_train:
+            before_train(model, handle)
+        try:
+            mine, ops = train(model, **train_kwargs)
+        finally:
+            tide.fsdp.disable(model)
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(mine, stock) if a.numel())
+        return diff, handle, ops
+
+    results = threaded_world.run(world, rank_fn)
+    for rank, (diff, handle, ops) in enumerate(results):
+        assert_handled(handle, ops)
+        assert diff <= tol, f"rank {rank}: max |TIDE - stock| = {diff} > {tol}"
+    return results
+
+
+# --- ranks as threads ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world, tol", [(2, 0.0), (4, 1e-6)])
+def test_threaded_ranks_match_stock(world, tol):
+    compare(world, make, tol=tol)
+
+
+def test_ranks_that_disagree_get_desync_error_on_every_rank():
+    def rank_fn(rank):
+        model = make(layers=5 if rank == 0 else 4)  # rank 1 built another model
+        return tide.fsdp.enable(model, timeout_ms=20000)
+
+    results = threaded_world.run(2, rank_fn, raise_errors=False)
+    for rank, r in enumerate(results):
+        assert isinstance(r, tide.DesyncError), f"rank {rank}: {r!r}"
+        assert "disagree on param group" in str(r) and "group rank 1 (global 1)" in str(r), str(r)
+    assert str(results[0]) == str(results[1])  # the same diagnosis on every rank
+
+
+def test_shapes_that_differ_name_the_param():
+    def rank_fn(rank):
+        with _construct:
+            torch.manual_seed(0)
+            model = h.TinyLlama()
+            if rank == 1:
+                model.norm = h.RMSNorm(h.DIM + 1)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return tide.fsdp.enable(model, timeout_ms=20000)
+
+    results = threaded_world.run(2, rank_fn, raise_errors=False)
+    for r in results:
+        assert isinstance(r, tide.DesyncError) and "param 1: norm.weight [32] torch.float32/torch.float32 vs norm.weight [33]" in str(r), repr(r)
+
+
+def test_a_rank_that_never_enables_is_named_within_the_timeout():
+    def rank_fn(rank):
+        model = make()
+        if rank == 0:
+            tide.fsdp.enable(model, timeout_ms=1500)
+        return "skipped enable"
+
+    results = threaded_world.run(2, rank_fn, raise_errors=False, timeout_s=60)
+    assert isinstance(results[0], TimeoutError), repr(results[0])
+    assert "for group ranks [1] (global [1])" in str(results[0]), str(results[0])
+    assert results[1] == "skipped enable"
+
+
+# --- others' patches of the functions TIDE hooks ---------------------------------------------------
+
+class Counting:
+    """What a tool does: wrap FSDP2's module functions (to count or time them), restore later."""
+
+    def __init__(self):
+        self.calls = {"foreach_all_gather": 0, "foreach_reduce": 0}
+        self.saved = {}
+        self.lock = threading.Lock()
+
+    def install(self):
+        for name in self.calls:
+            original = getattr(group_module, name)
+            self.saved[name] = original
+
+            def wrapper(*a, __name=name, __original=original, **k):
+                with self.lock:
+                    self.calls[__name] += 1
+                return __original(*a, **k)
+
+            setattr(group_module, name, wrapper)
+
+    def restore(self):
+        for name, original in self.saved.items():
+            setattr(group_module, name, original)
+
+
+def test_wrappers_installed_before_enable_keep_counting_and_tide_stays_on():
+    tool = Counting()
+    tool.install()  # before TIDE installs anything
+    try:
+        results = compare(2, make)
+    finally:
+        tool.restore()
+    tide_calls = sum(handle.counts()["all_gathers"] for _, handle, _ in results)
+    assert tool.calls["foreach_all_gather"] >= tide_calls > 0, (tool.calls, tide_calls)
+    assert tool.calls["foreach_reduce"] > 0
+
+
+def test_wrappers_installed_after_enable_and_restored_mid_training():
+    tool = Counting()
+
+    def after_enable(model, handle):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            tool.install()
+        dist.barrier()
+
+    results = compare(2, make, before_train=after_enable)
+    assert tool.calls["foreach_all_gather"] > 0 and tool.calls["foreach_reduce"] > 0, tool.calls
+
+    # Restoring "the originals" mid-training leaves TIDE on: its hook is the functions themselves.
+    def rank_fn(rank):
+        model = make()
+        handle = tide.fsdp.enable(model)
+        gen = torch.Generator().manual_seed(7)
+        step(model, gen)
+        dist.barrier()
+        if rank == 0:
+            tool.restore()
+        dist.barrier()
+        handle.reset_counts()
+        counter = h.OpCounter()
+        with counter:
+            step(model, gen)
+        tide.fsdp.disable(model)
+        return handle.counts(), counter.counts
+
+    for counts, ops in threaded_world.run(2, rank_fn):
+        assert counts == STEP_COUNTS, counts
+        assert ops["split_with_sizes_copy"] == 0 and ops["chunk_cat"] == 0, ops
+
+
+def test_disable_restores_fsdp2_code():
+    def rank_fn(rank):
+        model = make()
+        tide.fsdp.enable(model)
+        installed = tide.fsdp._hooks.installed()
+        tide.fsdp.disable(model)
+        return installed
+
+    assert threaded_world.run(2, rank_fn) == [True, True]
+    assert not tide.fsdp._hooks.installed()
+    assert group_module.foreach_all_gather.__wrapped__.__code__.co_filename.endswith("_fsdp_collectives.py")
+
+
+def test_a_replacement_that_bypasses_tide_is_refused_loudly():
+    stock = tide.fsdp._hooks.stock("foreach_all_gather")  # a reimplementation: never calls the original
+    saved = group_module.foreach_all_gather
+
+    def rank_fn(rank):
+        model = make()
+        tide.fsdp.enable(model)
+        dist.barrier()
+        if rank == 0:
+            group_module.foreach_all_gather = lambda *a, **k: stock(*a, **k)
+        dist.barrier()
+        try:
+            step(model, torch.Generator().manual_seed(1))
+        finally:
+            dist.barrier()
+            if rank == 0:
+                group_module.foreach_all_gather = saved
+        return "trained"
+
+    try:
+        results = threaded_world.run(2, rank_fn, raise_errors=False, timeout_s=60)
+    finally:
+        group_module.foreach_all_gather = saved
+    for r in results:
+        assert isinstance(r, RuntimeError) and "TIDE did not run" in str(r), repr(r)
+
+
+# --- FSDP2's entry points and knobs --------------------------------------------------------------
+
+def test_async_unshard_in_flight_is_refused_then_enable_works_after_it():
+    def rank_fn(rank):
+        model = make()
+        pending = model.unshard(async_op=True)
+        with pytest.raises(ValueError, match="has an all-gather in flight"):
+            tide.fsdp.enable(model)
+        pending.wait()
+        with pytest.raises(ValueError, match="UNSHARDED: enable TIDE while the model is sharded"):
+            tide.fsdp.enable(model)
+        model.reshard()
+        handle = tide.fsdp.enable(model)
+        mine, ops = train(model)
+        tide.fsdp.disable(model)
+        stock, _ = train(make())
+        assert_handled(handle, ops)
+        return all(torch.equal(a, b) for a, b in zip(mine, stock))
+
+    assert threaded_world.run(2, rank_fn) == [True, True]
+
+
+def test_unshard_reshard_and_async_unshard_after_enable_run_through_tide():
+    def before_train(model, handle):
+        model.unshard()
+        model.reshard()
+        model.unshard(async_op=True).wait()  # FSDP2's pre-forward then finds it unsharded
+        model.reshard()
+        assert handle.counts()["all_gathers"] == 2, handle.counts()
+
+    compare(2, make, before_train=before_train)
+
+
+@pytest.mark.parametrize("knob", [
+    "reshard_after_backward_false", "reshard_after_forward_false", "forward_prefetch",
+    "backward_prefetch", "unshard_in_backward_false", "reduce_scatter_unused_params",
+    "gradient_divide_factor", "tied_embeddings"])
+def test_fsdp_module_knobs(knob):
+    def build():
+        model = make(tied=knob == "tied_embeddings")
+        blocks = list(model.blocks)
+        if knob == "reshard_after_backward_false":
+            model.set_reshard_after_backward(False)
+        elif knob == "reshard_after_forward_false":
+            model.set_reshard_after_forward(False)
+        elif knob == "forward_prefetch":
+            for a, b in zip(blocks, blocks[1:]):
+                a.set_modules_to_forward_prefetch([b])
+        elif knob == "backward_prefetch":
+            for a, b in zip(blocks[1:], blocks):
+                a.set_modules_to_backward_prefetch([b])
+        elif knob == "unshard_in_backward_false":
+            model.set_reshard_after_forward(False)
+            for m in [*blocks, model]:
+                m.set_unshard_in_backward(False)
+        elif knob == "reduce_scatter_unused_params":
+            model.set_reduce_scatter_unused_params(True)
+        elif knob == "gradient_divide_factor":
+            for m in [*blocks, model]:
+                m.set_gradient_divide_factor(2.0)
+                m.set_force_sum_reduction_for_comms(True)
+        return model
+
+    compare(2, build)
+
+
+@pytest.mark.parametrize("sync, last", [
+    ((False, True), (False, True)), ((True, True), (True, True)), ((True, True), (False, True)),
+    ((False, True), (True, True))])
+def test_gradient_accumulation_sync_and_last_backward(sync, last):
+    compare(2, make, train_kwargs={"micro": 2, "sync_pattern": sync, "last_pattern": last})
+
+
+def test_custom_comm_set_before_enable_stays_stock_and_after_enable_is_refused():
+    if not hasattr(group_module.FSDPParamGroup, "_all_gather_comm") and not hasattr(
+            torch.distributed.fsdp.FSDPModule, "set_custom_all_gather"):
+        pytest.skip(f"torch {torch.__version__} has no custom all-gather comms")
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class Mine(DefaultAllGather):
+        pass
+
+    def rank_fn(rank):
+        model = make()
+        model.set_custom_all_gather(Mine())
+        handle = tide.fsdp.enable(model)
+        reasons = {reason for _, reason in handle.fallbacks}
+        tide.fsdp.disable(model)
+        model = make()
+        tide.fsdp.enable(model)
+        model.set_custom_all_gather(Mine())
+        with pytest.raises(ValueError, match="custom all-gather comm .Mine. was set after tide.fsdp.enable"):
+            step(model, torch.Generator().manual_seed(0))
+        return len(handle.buckets), reasons
+
+    for buckets, reasons in threaded_world.run(2, rank_fn):
+        assert buckets == 5 and reasons == {"a custom all-gather comm (Mine)"}, (buckets, reasons)
+
+
+# --- HSDP, offload -----------------------------------------------------------------------------------
+
+def test_hsdp_2x2_with_and_without_all_reduce():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def build(all_reduce=True):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = make(mesh=mesh)
+        model.set_requires_all_reduce(all_reduce)
+        return model
+
+    compare(4, build, tol=1e-6)
+    compare(4, lambda: build(all_reduce=False), tol=1e-6)
+
+
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_cpu_offload_is_handled(pin_memory):
+    if pin_memory and not torch.cuda.is_available():
+        pytest.skip("pinned host memory needs a CUDA build with a GPU")
+    compare(2, lambda: make(shard_kwargs={"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)}))
+
+
+# --- observability -------------------------------------------------------------------------------------
+
+def test_profiler_shows_tide_collectives_and_counts_are_per_step():
+    def rank_fn(rank):
+        model = make()
+        handle = tide.fsdp.enable(model)
+        gen = torch.Generator().manual_seed(3)
+        step(model, gen)
+        handle.reset_counts()
+        names = set()
+        if rank == 0:  # one profiler per process: rank 0's thread records
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                step(model, gen)
+            names = {e.key for e in prof.key_averages()}
+        else:
+            step(model, gen)
+        tide.fsdp.disable(model)
+        return handle.counts(), names
+
+    results = threaded_world.run(2, rank_fn, timeout_s=60)
+    for counts, _ in results:
+        assert counts == STEP_COUNTS, counts
+    names = results[0][1]
+    assert any(n.startswith("tide::all_gather blocks.0 (") for n in names), sorted(names)[:20]
+    assert any(n.startswith("tide::reduce_scatter <root> (") for n in names), sorted(names)[:20]
