@@ -315,8 +315,14 @@ def test_unshard_reshard_and_async_unshard_after_enable_run_through_tide():
 @pytest.mark.parametrize("knob", [
     "reshard_after_backward_false", "reshard_after_forward_false", "forward_prefetch",
     "backward_prefetch", "unshard_in_backward_false", "reduce_scatter_unused_params",
-    "gradient_divide_factor", "tied_embeddings"])
+    "gradient_divide_factor", "tied_embeddings", "reduce_scatter_max_input_buffers",
+    "separate_reduce_scatter_group"])
 def test_fsdp_module_knobs(knob):
+    setter = {"reduce_scatter_max_input_buffers": "set_reduce_scatter_max_input_buffers",
+              "separate_reduce_scatter_group": "set_separate_reduce_scatter_group"}.get(knob)
+    if setter and not hasattr(torch.distributed.fsdp.FSDPModule, setter):
+        pytest.skip(f"torch {torch.__version__} has no FSDPModule.{setter}")
+
     def build():
         model = make(tied=knob == "tied_embeddings")
         blocks = list(model.blocks)
@@ -336,6 +342,10 @@ def test_fsdp_module_knobs(knob):
                 m.set_unshard_in_backward(False)
         elif knob == "reduce_scatter_unused_params":
             model.set_reduce_scatter_unused_params(True)
+        elif knob == "reduce_scatter_max_input_buffers":
+            model.set_reduce_scatter_max_input_buffers(2)
+        elif knob == "separate_reduce_scatter_group":
+            model.set_separate_reduce_scatter_group(True)
         elif knob == "gradient_divide_factor":
             for m in [*blocks, model]:
                 m.set_gradient_divide_factor(2.0)
@@ -376,6 +386,24 @@ def test_custom_comm_set_before_enable_stays_stock_and_after_enable_is_refused()
 
     for buckets, reasons in threaded_world.run(2, rank_fn):
         assert buckets == 5 and reasons == {"a custom all-gather comm (Mine)"}, (buckets, reasons)
+
+
+def test_upstream_comm_features_are_left_to_stock():
+    """FSDP2's own comm variants (allocation from the process group; on GPUs symmetric memory)
+    replace the default comm objects: TIDE leaves such groups to stock FSDP2 and says so."""
+    if not hasattr(torch.distributed.fsdp.FSDPModule, "set_allocate_memory_from_process_group_for_comm"):
+        pytest.skip(f"torch {torch.__version__} has no set_allocate_memory_from_process_group_for_comm")
+
+    def rank_fn(rank):
+        model = make()
+        model.blocks[0].set_allocate_memory_from_process_group_for_comm(True)
+        handle = tide.fsdp.enable(model)
+        tide.fsdp.disable(model)
+        return handle.fallbacks
+
+    for fallbacks in threaded_world.run(2, rank_fn):
+        assert len(fallbacks) == 1 and fallbacks[0][0] == "blocks.0", fallbacks
+        assert fallbacks[0][1].startswith("a custom all-gather comm (ProcessGroupAlloc"), fallbacks
 
 
 # --- HSDP, offload -----------------------------------------------------------------------------------
