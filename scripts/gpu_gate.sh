@@ -12,6 +12,7 @@
 #
 #   scripts/gpu_gate.sh [stage ...]     (default: every stage, in that order)
 #   scripts/gpu_gate.sh verdict         the verdict line over the stages run so far
+#   scripts/gpu_gate.sh digest          the sources digest the verdict line names
 #
 # Stages record their result in $GATE_DIR (default build-gate/), so a gate longer than one call of
 # a lent machine can run as several calls on the same warm machine; the verdict line counts a
@@ -111,6 +112,13 @@ stage_sanitize() {
   [[ $rc == 0 ]] && record sanitize "PASS (memcheck racecheck synccheck)" || record sanitize "FAIL (exit $rc)"
 }
 
+# What was tested, independent of a .git that may not travel with the tree: a digest of the
+# sources (scripts/gpu_gate.sh digest prints it here, to compare with a checkout).
+sources_digest() {
+  (cd "$ROOT" && find CMakeLists.txt pyproject.toml include src python bench -type f \
+     -not -path '*/__pycache__/*' -not -name '*.pyc' | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)
+}
+
 verdict() {
   local all=PASS parts=()
   for s in "${STAGES[@]}"; do
@@ -120,7 +128,7 @@ verdict() {
     parts+=("$s ${r%% (*}")
   done
   local gpu; gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
-  echo "GPU GATE $all: $(IFS=','; echo "${parts[*]}" | sed 's/,/, /g') [$gpu, $(date -u +%F), $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo +dirty)]"
+  echo "GPU GATE $all: $(IFS=','; echo "${parts[*]}" | sed 's/,/, /g') [$gpu, $(date -u +%F), sources $(sources_digest)]"
   for s in "${STAGES[@]}"; do [[ -f "$GATE_DIR/$s" ]] && echo "  $s: $(cat "$GATE_DIR/$s")"; done
   [[ $all == PASS ]]
 }
@@ -134,7 +142,8 @@ for stage in "$@"; do
   case "$stage" in
     build|cpp|python|bench|sanitize) "stage_$stage" ;;
     verdict) verdict || rc=1 ;;
-    *) echo "usage: $0 [build|cpp|python|bench|sanitize|verdict ...]"; exit 2 ;;
+    digest) sources_digest ;;
+    *) echo "usage: $0 [build|cpp|python|bench|sanitize|verdict|digest ...]"; exit 2 ;;
   esac
 done
 exit $rc
