@@ -406,6 +406,72 @@ def test_upstream_comm_features_are_left_to_stock():
         assert fallbacks[0][1].startswith("a custom all-gather comm (ProcessGroupAlloc"), fallbacks
 
 
+def test_disable_with_an_all_gather_in_flight_is_refused():
+    def rank_fn(rank):
+        model = make()
+        tide.fsdp.enable(model)
+        pending = model.unshard(async_op=True)  # TIDE's all-gather, params still SHARDED
+        with pytest.raises(ValueError, match="has a TIDE all-gather in flight"):
+            tide.fsdp.disable(model)
+        pending.wait()
+        model.reshard()
+        tide.fsdp.disable(model)
+        return "ok"
+
+    assert threaded_world.run(2, rank_fn) == ["ok", "ok"]
+
+
+def test_several_param_groups_of_one_module_get_pools_of_their_own():
+    """torch >= 2.12: shard_placement_fn can put a module's params on two meshes over the same
+    ranks (dense vs experts): two param groups of one module, of different size classes."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+    from torch.distributed.tensor import Shard
+    if not hasattr(_fsdp_common, "ShardPlacementResult"):
+        pytest.skip(f"torch {torch.__version__} has one param group per module")
+
+    class TwoMeshes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = torch.nn.Parameter(torch.randn(4, 8))
+            self.big = torch.nn.Parameter(torch.randn(64, 8))
+
+        def forward(self, x):
+            return (x @ self.small.T).sum() + (x @ self.big.T).sum()
+
+    def build():
+        with _construct:
+            torch.manual_seed(0)
+            model = TwoMeshes()
+        experts = _fsdp_common.FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0, 1]), "cpu"),
+                                            shard_mesh_dim=0)
+        fully_shard(model, shard_placement_fn=lambda p: _fsdp_common.ShardPlacementResult(
+            Shard(0), experts) if p is model.big else None)
+        return model
+
+    def train_it(model):
+        gen = torch.Generator().manual_seed(1 + dist.get_rank())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(3, 8, generator=gen)).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.to_local().detach().clone() for p in model.parameters()]
+
+    def rank_fn(rank):
+        stock = train_it(build())
+        model = build()
+        handle = tide.fsdp.enable(model)
+        mine = train_it(model)
+        tide.fsdp.disable(model)
+        return len(handle.buckets), len({p.name for p in handle.pools}), handle.counts(), \
+            all(torch.equal(a, b) for a, b in zip(mine, stock))
+
+    for buckets, pool_names, counts, bitwise in threaded_world.run(2, rank_fn):
+        assert buckets == 2 and pool_names == 2, (buckets, pool_names)
+        assert counts["reduce_scatters"] == 4 and bitwise, (counts, bitwise)
+
+
 # --- HSDP, offload -----------------------------------------------------------------------------------
 
 def test_hsdp_2x2_with_and_without_all_reduce():

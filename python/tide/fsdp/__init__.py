@@ -230,11 +230,13 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             (bucket, transport))
         result.buckets.append(bucket)
 
-    # 3. Pools, named by the model (the enable round and the first bucket's path), not by process state.
+    # 3. Pools, named by the model (the enable round and the first bucket's id), not by process state.
     for (ranks, _), entries in by_ranks.items():
         transport = entries[0][1]  # a function of the ranks and the device: the same for all
         for members in size_classes([b for b, _ in entries]):
-            name = f"tide/pool/{'-'.join(map(str, ranks))}/{rounds[ranks]}/{members[0].path}"
+            # The first member's id: a module can hold several param groups (torch >= 2.12), so
+            # its path alone could name two pools alike.
+            name = f"tide/pool/{'-'.join(map(str, ranks))}/{rounds[ranks]}/{members[0].id}"
             pool = WindowPool(members[0].group, max(b.window_bytes for b in members), timeout_ms,
                               name, members[0].param_group.device, members[0].layout.topology,
                               transport)
@@ -257,6 +259,9 @@ def disable(module: torch.nn.Module) -> None:
     if result is None:
         raise ValueError("tide.fsdp.disable: TIDE is not enabled on this module")
     for b in result.buckets:
+        if _fsdp2.all_gather_in_flight(b.param_group):
+            raise ValueError(f"tide.fsdp.disable: param group {b.path} has a TIDE all-gather in flight "
+                             "(unshard(async_op=True) not yet waited on): wait for it and reshard first")
         for fp in b.fsdp_params:
             if fp.sharded_state != _fsdp2.ShardedState.SHARDED:
                 raise ValueError("tide.fsdp.disable: the model is not sharded; call it between steps")

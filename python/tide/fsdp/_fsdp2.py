@@ -87,9 +87,14 @@ def process_group(param_group):
     return getattr(param_group, "_all_gather_process_group", None) if hasattr(param_group, "mesh_info") else None
 
 
+def all_gather_in_flight(param_group) -> bool:
+    """An all-gather issued and not yet copied out (unshard(async_op=True), a prefetch)."""
+    return getattr(param_group, "_all_gather_result", None) is not None
+
+
 def state_fallback_reason(param_group) -> str:
     """Why a param group's current state is one TIDE does not own ("" if it can take it over)."""
-    if getattr(param_group, "_all_gather_result", None) is not None:
+    if all_gather_in_flight(param_group):
         return ("has an all-gather in flight (unshard(async_op=True) not yet waited on, or a "
                 "prefetch): enable TIDE before it, or after the step that consumes it")
     state = getattr(param_group, "_training_state", TrainingState.IDLE)

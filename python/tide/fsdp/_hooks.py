@@ -110,8 +110,8 @@ def acquire(replacements: dict) -> None:
     """Installs TIDE's functions (once; counted per enabled module)."""
     global _users
     with _lock:
-        for name, fn in replacements.items():
-            hook = _hook(name)
+        hooks = [(_hook(name), fn) for name, fn in replacements.items()]  # may raise: none installed yet
+        for hook, fn in hooks:
             if not hook.installed:
                 hook.install(fn)
         _users += 1
