@@ -362,6 +362,32 @@ def test_gradient_accumulation_sync_and_last_backward(sync, last):
     compare(2, make, train_kwargs={"micro": 2, "sync_pattern": sync, "last_pattern": last})
 
 
+def test_enable_and_disable_between_accumulation_micro_batches_are_refused():
+    """Gradients accumulated without sync live on the unsharded parameters until a later
+    micro-batch reduces them; enable and disable drop those parameters, so they must wait."""
+    def micro_batch(model, gen, sync):
+        model.set_requires_gradient_sync(sync)
+        tokens = torch.randint(0, h.VOCAB, (2, 8), generator=gen)
+        F.cross_entropy(model(tokens).view(-1, h.VOCAB), tokens.roll(-1, 1).view(-1)).backward()
+
+    def rank_fn(rank):
+        gen = torch.Generator().manual_seed(5)
+        model = make()
+        micro_batch(model, gen, sync=False)
+        with pytest.raises(ValueError, match="holds unsharded gradients not yet reduced"):
+            tide.fsdp.enable(model)
+        micro_batch(model, gen, sync=True)
+        tide.fsdp.enable(model)
+        micro_batch(model, gen, sync=False)
+        with pytest.raises(ValueError, match="holds unsharded gradients not yet reduced"):
+            tide.fsdp.disable(model)
+        micro_batch(model, gen, sync=True)
+        tide.fsdp.disable(model)
+        return "ok"
+
+    assert threaded_world.run(2, rank_fn) == ["ok", "ok"]
+
+
 def test_custom_comm_set_before_enable_stays_stock_and_after_enable_is_refused():
     if not hasattr(group_module.FSDPParamGroup, "_all_gather_comm") and not hasattr(
             torch.distributed.fsdp.FSDPModule, "set_custom_all_gather"):

@@ -262,6 +262,10 @@ def disable(module: torch.nn.Module) -> None:
         if _fsdp2.all_gather_in_flight(b.param_group):
             raise ValueError(f"tide.fsdp.disable: param group {b.path} has a TIDE all-gather in flight "
                              "(unshard(async_op=True) not yet waited on): wait for it and reshard first")
+        if _fsdp2.gradients_pending(b.param_group):
+            raise ValueError(f"tide.fsdp.disable: param group {b.path} holds unsharded gradients not yet "
+                             "reduced (set_requires_gradient_sync(False) micro-batches): disable after "
+                             "the micro-batch that reduces them")
         for fp in b.fsdp_params:
             if fp.sharded_state != _fsdp2.ShardedState.SHARDED:
                 raise ValueError("tide.fsdp.disable: the model is not sharded; call it between steps")

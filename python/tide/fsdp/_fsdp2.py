@@ -103,7 +103,23 @@ def state_fallback_reason(param_group) -> str:
     for fp in param_group.fsdp_params:
         if fp.sharded_state != ShardedState.SHARDED:
             return f"is {fp.sharded_state}: enable TIDE while the model is sharded (outside forward/backward)"
+    if gradients_pending(param_group):
+        return ("holds unsharded gradients not yet reduced (set_requires_gradient_sync(False) "
+                "micro-batches): enable or disable TIDE after the micro-batch that reduces them")
     return ""
+
+
+def gradients_pending(param_group) -> bool:
+    """Gradients accumulated without synchronization, kept on the unsharded parameters (or in
+    FSDP2's accumulation buffer) until a later micro-batch reduces them: dropping the unsharded
+    parameters, as enable and disable do, would lose them."""
+    for fp in param_group.fsdp_params:
+        if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+            return True
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None and unsharded.grad is not None:
+            return True
+    return False
 
 
 def uses_post_forward_mesh(param_group) -> bool:
