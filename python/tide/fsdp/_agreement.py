@@ -11,13 +11,13 @@ processes, and a new world (a new store) starts from round 0.
 
 from __future__ import annotations
 
-import datetime
 import json
 import threading
 
 import torch.distributed as dist
 
 from .. import _tide
+from ..distributed import wait_for_ranks
 
 _rounds: dict = {}
 _stores: dict = {}  # id -> store: keeps each store alive, so its id is never reused for another
@@ -45,11 +45,9 @@ def _exchange(group, topic: str, mine: str, timeout_ms: int) -> tuple:
     keys = [f"{base}/{n}/{q}" for q in range(len(ranks))]
     store.set(keys[rank], mine)
     try:
-        store.wait(keys, datetime.timedelta(milliseconds=timeout_ms))
-    except Exception as e:  # noqa: BLE001 - c10d raises DistStoreError / RuntimeError by version
+        wait_for_ranks(store, keys, timeout_ms, f"rank {rank} at '{topic}' (round {n})")
+    except TimeoutError as e:
         missing = [q for q, k in enumerate(keys) if not store.check([k])]
-        if not missing:
-            raise
         raise TimeoutError(
             f"tide.fsdp: rank {rank} of process group {list(ranks)} waited {timeout_ms} ms at "
             f"'{topic}' (round {n}) for group ranks {missing} (global {[ranks[q] for q in missing]}): "

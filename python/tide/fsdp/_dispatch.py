@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from . import _hooks
+from . import _fsdp2, _hooks
 from ._bucket import TORCH_TO_TIDE, ReduceScatterComm
 
 log = logging.getLogger("tide.fsdp")
@@ -88,7 +88,6 @@ def _pending_comms() -> list:
 
 
 def _reduce_fallback_reason(fsdp_params, grads, a) -> str:
-    from . import _fsdp2
     if not _fsdp2.is_default_comm(a.get("reduce_scatter_comm"), "reduce_scatter"):
         return f"a custom reduce-scatter comm ({type(a['reduce_scatter_comm']).__name__})"
     grad_dtypes = {g.dtype for g in grads}

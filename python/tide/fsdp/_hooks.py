@@ -93,7 +93,7 @@ _users = 0  # enabled modules (across threads): the hooks stay installed while a
 
 def stock(name: str):
     """The stock FSDP2 function `name` (callable whether or not TIDE's hooks are installed)."""
-    return _hooks[name].stock if name in _hooks else _hook(name).stock
+    return _hook(name).stock
 
 
 def signature(name: str) -> inspect.Signature:
