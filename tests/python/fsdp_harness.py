@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -104,6 +104,9 @@ SCENARIOS = {
     "force_sum_reduction": ((2,), {"force_sum": True}),
     "tied_embeddings": ((2, 3), {"tied": True}),
     "hsdp_2x2": ((4,), {"hsdp": True}),
+    # Sharded params and gradients in host memory (pinned on CUDA): TIDE gathers from there.
+    "cpu_offload": ((2, 3), {"offload": True}),
+    "cpu_offload_bf16": ((2,), {"offload": True, "mp": (torch.bfloat16, torch.float32)}),
     # A process-group object per layer over the same ranks (as FSDP2 can make): pools still shared.
     "group_per_layer": ((2, 3), {"group_per_layer": True}),
     # Virtual nodes: across-node programs between nodes of ranks_per_node ranks (CUDA: over IPC).
@@ -145,6 +148,8 @@ def build(opts, world, device):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=opts["mp"][0], reduce_dtype=opts["mp"][1])
     if "reshard" in opts:
         kwargs["reshard_after_forward"] = opts["reshard"]
+    if opts.get("offload"):
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     if opts.get("hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         kwargs["mesh"] = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))

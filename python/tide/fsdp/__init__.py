@@ -110,8 +110,6 @@ def _static_fallback_reason(param_group, group, param_name) -> str:
         return reason
     for i, fp in enumerate(param_group.fsdp_params):
         name = param_name(fp, i)
-        if fp.offload_to_cpu and device.type == "cuda":
-            return "CPU offload on CUDA devices (the host-to-window copy is not built yet)"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
             return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
         if fp.fsdp_placement.dim != 0:

@@ -120,19 +120,6 @@ class Bucket:
             self.pool.pending.remove(self)
         self.vacated = False
         self._ensure_param_outputs()
-        shards = []
-        for p, fp in zip(self.layout.params, self.fsdp_params):
-            data = fp._sharded_param_data
-            if data.dtype != TIDE_TO_TORCH[p.shard_dtype] or not data.is_contiguous():
-                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
-                                   f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
-                                   f"contiguous {TIDE_TO_TORCH[p.shard_dtype]}")
-            if data.device.type != self.pool.device.type:
-                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
-                                   f"on {data.device}, expected {self.pool.device}")
-            shards.append(data.data_ptr())
-        self.counts.all_gathers += 1
-        self.counts.all_gather_bytes += self.ag_bytes
         event = None
         with _profiled(f"tide::all_gather {self.path} ({self.ag_bytes} B)", self.cuda):
             if self.cuda:
@@ -140,13 +127,38 @@ class Bucket:
                 # the shards) and after the window's previous user; FSDP2 waits on the event.
                 stream = stream or torch.cuda.current_stream(self.pool.device)
                 stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+                with torch.cuda.stream(stream):
+                    shards = self._shards(stream)
                 self.window.use_on(stream)
-                self.window.executor.run(self.ag_program, shards)
+                self.window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
                 event = stream.record_event()
             else:
-                self.window.executor.run(self.ag_program, shards)
+                self.window.executor.run(self.ag_program, [s.data_ptr() for s in self._shards(None)])
+        self.counts.all_gathers += 1
+        self.counts.all_gather_bytes += self.ag_bytes
         return _fsdp2.all_gather_result(self.param_outputs[0], self.fsdp_params,
                                         [p.shard_numel for p in self.layout.params], event)
+
+    def _shards(self, stream) -> list:
+        """Each param's padded shard as the all-gather reads it. With CPU offload on CUDA the
+        shards live in host memory: each goes to the device by a copy engine on the all-gather
+        stream (a shard-sized tensor, as stock FSDP2's own offload copy; no full-group buffer).
+        Allocated on that stream, so the allocator hands its memory out again only in that
+        stream's order, after the all-gather has read it."""
+        shards = []
+        for p, fp in zip(self.layout.params, self.fsdp_params):
+            data = fp._sharded_param_data
+            if data.dtype != TIDE_TO_TORCH[p.shard_dtype] or not data.is_contiguous():
+                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
+                                   f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
+                                   f"contiguous {TIDE_TO_TORCH[p.shard_dtype]}")
+            if stream is not None and data.device.type == "cpu" and fp.offload_to_cpu:
+                data = data.to(self.pool.device, non_blocking=data.is_pinned())
+            if data.device.type != self.pool.device.type:
+                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
+                                   f"on {data.device}, expected {self.pool.device}")
+            shards.append(data)
+        return shards
 
     def owns(self, all_gather_result) -> bool:
         return bool(self.param_outputs) and all_gather_result.all_gather_output is self.param_outputs[0]
