@@ -153,6 +153,49 @@ def test_shapes_that_differ_name_the_param():
         assert isinstance(r, tide.DesyncError) and "param 1: norm.weight [32] torch.float32/torch.float32 vs norm.weight [33]" in str(r), repr(r)
 
 
+@pytest.mark.parametrize("option, values", [
+    ("ranks_per_node", ({"ranks_per_node": 1}, {"ranks_per_node": 2})),
+    ("network", ({"network": "auto"}, {"network": "ipc"})),
+    ("net", ({}, {"net": tide.NetOptions(chunk_bytes=1 << 20)}))])
+def test_ranks_passing_different_options_get_desync_error_naming_it(option, values):
+    """Options shape windows and programs: ranks that differ would fail later, far from the cause."""
+    def rank_fn(rank):
+        return tide.fsdp.enable(make(), timeout_ms=20000, **values[rank])
+
+    results = threaded_world.run(2, rank_fn, raise_errors=False)
+    for rank, r in enumerate(results):
+        assert isinstance(r, tide.DesyncError), f"rank {rank}: {r!r}"
+        assert f"disagree on enable's {option}" in str(r), str(r)
+
+
+def test_a_retry_after_a_timeout_meets_on_fresh_keys():
+    """Rank 0's enable times out (rank 1 is late); rank 1 then finds rank 0's stale agreement key
+    and goes on alone until its own timeout. Both retry: the retry must succeed on both ranks, not
+    meet the first attempt's leftovers (it did: one rank enabled, the other hung)."""
+    barrier = threading.Barrier(2)
+
+    def rank_fn(rank):
+        model = make()
+        if rank == 1:
+            barrier.wait()  # after rank 0 timed out
+        first = None
+        try:
+            tide.fsdp.enable(model, timeout_ms=1500)
+        except TimeoutError as e:
+            first = e
+        if rank == 0:
+            barrier.wait()
+        dist.barrier()
+        handle = tide.fsdp.enable(model, timeout_ms=20000)
+        mine, ops = train(model)
+        tide.fsdp.disable(model)
+        return first, handle, ops
+
+    for rank, (first, handle, ops) in enumerate(threaded_world.run(2, rank_fn, timeout_s=90)):
+        assert isinstance(first, TimeoutError), f"rank {rank}: first enable gave {first!r}"
+        assert_handled(handle, ops)
+
+
 def test_a_rank_that_never_enables_is_named_within_the_timeout():
     def rank_fn(rank):
         model = make()
@@ -288,7 +331,7 @@ def test_async_unshard_in_flight_is_refused_then_enable_works_after_it():
         with pytest.raises(ValueError, match="has an all-gather in flight"):
             tide.fsdp.enable(model)
         pending.wait()
-        with pytest.raises(ValueError, match="UNSHARDED: enable TIDE while the model is sharded"):
+        with pytest.raises(ValueError, match="is UNSHARDED .*call model.reshard.. first"):
             tide.fsdp.enable(model)
         model.reshard()
         handle = tide.fsdp.enable(model)
@@ -388,6 +431,64 @@ def test_enable_and_disable_between_accumulation_micro_batches_are_refused():
     assert threaded_world.run(2, rank_fn) == ["ok", "ok"]
 
 
+def test_enable_and_disable_between_a_forward_and_its_backward_are_refused():
+    """Autograd holds the unsharded parameters a forward built; enable and disable replace them,
+    so a backward after either would lose its gradients (it did: no error, stale parameters)."""
+    def forward(model, gen):
+        tokens = torch.randint(0, h.VOCAB, (2, 8), generator=gen)
+        return F.cross_entropy(model(tokens).view(-1, h.VOCAB), tokens.roll(-1, 1).view(-1))
+
+    def rank_fn(rank):
+        gen = torch.Generator().manual_seed(6)
+        model = make()
+        loss = forward(model, gen)
+        with pytest.raises(ValueError, match="has run a forward whose backward has not finished"):
+            tide.fsdp.enable(model)
+        loss.backward()
+        handle = tide.fsdp.enable(model)
+        loss = forward(model, gen)
+        with pytest.raises(ValueError, match="has run a forward whose backward has not finished"):
+            tide.fsdp.disable(model)
+        loss.backward()
+        assert handle.counts()["reduce_scatters"] == 6, handle.counts()
+        with torch.no_grad():  # an eval forward: refused until the next backward, never lost
+            forward(model, gen)
+        with pytest.raises(ValueError, match="after a torch.no_grad.. forward"):
+            tide.fsdp.disable(model)
+        forward(model, gen).backward()
+        tide.fsdp.disable(model)
+        return "ok"
+
+    assert threaded_world.run(2, rank_fn) == ["ok", "ok"]
+
+
+def test_replicate_groups_fall_back_and_train_as_stock():
+    """FSDP2-based replicate() (a DDP mesh: nothing is sharded) is left to stock FSDP2."""
+    replicate = pytest.importorskip("torch.distributed._composable.replicate_with_fsdp").replicate
+
+    def build():
+        with _construct:
+            torch.manual_seed(0)
+            model = h.TinyLlama(layers=2)
+        for block in model.blocks:
+            replicate(block)
+        replicate(model)
+        return model
+
+    def rank_fn(rank):
+        stock, _ = train(build())
+        model = build()
+        handle = tide.fsdp.enable(model)
+        mine, _ = train(model)
+        tide.fsdp.disable(model)
+        return handle, all(torch.equal(a, b) for a, b in zip(mine, stock))
+
+    for handle, same in threaded_world.run(2, rank_fn):
+        assert handle.buckets == [] and len(handle.fallbacks) == 3, handle.fallbacks
+        assert all("replicate()" in why for _, why in handle.fallbacks), handle.fallbacks
+        assert same
+
+
 def test_custom_comm_set_before_enable_stays_stock_and_after_enable_is_refused():
     if not hasattr(group_module.FSDPParamGroup, "_all_gather_comm") and not hasattr(
             torch.distributed.fsdp.FSDPModule, "set_custom_all_gather"):
@@ -437,7 +538,7 @@ def test_disable_with_an_all_gather_in_flight_is_refused():
         model = make()
         tide.fsdp.enable(model)
         pending = model.unshard(async_op=True)  # TIDE's all-gather, params still SHARDED
-        with pytest.raises(ValueError, match="has a TIDE all-gather in flight"):
+        with pytest.raises(ValueError, match="has an all-gather in flight"):
             tide.fsdp.disable(model)
         pending.wait()
         model.reshard()

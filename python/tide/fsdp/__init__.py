@@ -39,6 +39,7 @@ __all__ = ["enable", "disable", "TideFSDP", "NETWORKS", "topology_for", "transpo
 
 log = logging.getLogger("tide.fsdp")
 NETWORKS = ("auto", "ipc", "nccl")
+NET_OPTION_FIELDS = ("chunk_bytes", "max_chunks_in_flight", "ring_depth", "rs_recursive_halving", "wire_dtype")
 
 
 class TideFSDP:
@@ -76,13 +77,14 @@ class TideFSDP:
 
     def sm_cta_us(self) -> float:
         """CUDA: SM time of TIDE's kernels since enable_sm_stats, in CTA-microseconds (CTAs x kernel
-        time; copies and flags use no SMs). Synchronizes the executors. 0 on CPU."""
+        time of the cast, reduce and, between virtual nodes over IPC, pull kernels; copies and
+        flags use no SMs). Synchronizes the executors. 0 on CPU."""
         total = 0.0
         for pool in self.pools:
             for pooled in pool.all_windows():
                 if hasattr(pooled.executor, "stats"):
                     st = pooled.executor.stats()
-                    total += st.cast_cta_us + st.reduce_cta_us
+                    total += st.cast_cta_us + st.reduce_cta_us + st.network_cta_us
         return total
 
     def __repr__(self):
@@ -95,6 +97,8 @@ _enabled: dict = {}  # id(module) -> TideFSDP
 
 def _static_fallback_reason(param_group, group, param_name) -> str:
     """Why a param group stays stock FSDP2, from the group alone ("" if TIDE can take it)."""
+    if not _fsdp2.is_sharded(param_group):
+        return "not sharded (replicate(): DDP mesh), so there is no all-gather or reduce-scatter to take"
     if group is None or group.size() <= 1:
         return "world size 1 (nothing to communicate)"
     device = param_group.device
@@ -201,7 +205,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         if group is not None and group.size() > 1:
             key = tuple(dist.get_process_group_ranks(group))
             by_group.setdefault(key, (group, []))[1].append(_identity(path, pg, reason, param_name))
-    rounds = {ranks: check_agreement(group, identities, wait_ms) for ranks, (group, identities) in by_group.items()}
+    options = {"ranks_per_node": ranks_per_node, "network": network,
+               "net": {k: str(getattr(net, k)) for k in NET_OPTION_FIELDS}}
+    rounds = {ranks: check_agreement(group, options, identities, wait_ms)
+              for ranks, (group, identities) in by_group.items()}
 
     # 2. Where the ranks are (the same answer on every rank of a group: exchanged).
     where: dict = {}
@@ -212,7 +219,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         if not reason:
             key = (tuple(dist.get_process_group_ranks(group)), pg.device.type)
             if key not in where:
-                where[key] = placements(group, pg.device, wait_ms)
+                where[key] = placements(group, pg.device, wait_ms, rounds[key[0]])
             transport, reason = transport_for(where[key], pg.device.type, topology, network)
         if reason:
             result.fallbacks.append((path, reason))
@@ -255,16 +262,9 @@ def disable(module: torch.nn.Module) -> None:
     if result is None:
         raise ValueError("tide.fsdp.disable: TIDE is not enabled on this module")
     for b in result.buckets:
-        if _fsdp2.all_gather_in_flight(b.param_group):
-            raise ValueError(f"tide.fsdp.disable: param group {b.path} has a TIDE all-gather in flight "
-                             "(unshard(async_op=True) not yet waited on): wait for it and reshard first")
-        if _fsdp2.gradients_pending(b.param_group):
-            raise ValueError(f"tide.fsdp.disable: param group {b.path} holds unsharded gradients not yet "
-                             "reduced (set_requires_gradient_sync(False) micro-batches): disable after "
-                             "the micro-batch that reduces them")
-        for fp in b.fsdp_params:
-            if fp.sharded_state != _fsdp2.ShardedState.SHARDED:
-                raise ValueError("tide.fsdp.disable: the model is not sharded; call it between steps")
+        state = _fsdp2.state_fallback_reason(b.param_group)
+        if state:
+            raise ValueError(f"tide.fsdp.disable: param group {b.path} {state}")
     del _enabled[id(module)]
     for pool in result.pools:
         pool.release_pending()

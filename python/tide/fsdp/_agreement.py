@@ -56,16 +56,29 @@ def _exchange(group, topic: str, mine: str, timeout_ms: int) -> tuple:
     return n, [store.get(k).decode() for k in keys]
 
 
-def check_agreement(group, entries: list, timeout_ms: int) -> int:
-    """Raises tide.DesyncError on every rank of `group` unless every rank passed equal `entries`
-    (JSON-able descriptions of the group's param groups in module order). Returns the round: how
-    many agreements this rank of this group reached before, the same on every rank of it."""
+def check_agreement(group, options: dict, entries: list, timeout_ms: int) -> int:
+    """Raises tide.DesyncError on every rank of `group` unless every rank passed equal `options`
+    (enable's arguments that shape windows and programs) and `entries` (JSON-able descriptions of
+    the group's param groups in module order). Returns the round: how many agreements this rank
+    of this group reached before, the same on every rank of it. Every later exchange of the same
+    enable is keyed by it, so an enable that timed out on one rank leaves nothing a retry could
+    mistake for its own."""
     ranks = _group_ranks(group)
-    mine = json.dumps(entries, sort_keys=True)
+    mine = json.dumps({"options": options, "groups": entries}, sort_keys=True)
     n, theirs = _exchange(group, "enable", mine, timeout_ms)
     if all(t == theirs[0] for t in theirs):
         return n
-    lists = [json.loads(t) for t in theirs]
+    decoded = [json.loads(t) for t in theirs]
+    for q, d in enumerate(decoded):
+        if d["options"] != decoded[0]["options"]:
+            key = next(k for k in sorted(set(d["options"]) | set(decoded[0]["options"]))
+                       if d["options"].get(k) != decoded[0]["options"].get(k))
+            raise _tide.DesyncError(
+                f"tide.fsdp.enable: the ranks of process group {list(ranks)} disagree on enable's "
+                f"{key}: {decoded[0]['options'].get(key)!r} on group rank 0 (global {ranks[0]}) vs "
+                f"{d['options'].get(key)!r} on group rank {q} (global {ranks[q]}); every rank must "
+                "pass the same options")
+    lists = [d["groups"] for d in decoded]
     for i in range(max(len(x) for x in lists)):
         at = [x[i] if i < len(x) else None for x in lists]
         other = next((q for q in range(len(at)) if at[q] != at[0]), None)

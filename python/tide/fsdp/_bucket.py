@@ -114,8 +114,14 @@ class Bucket:
 
     def all_gather(self, stream=None):
         if self.window is None:
-            self.window = self.pool.acquire()
-            self._map_window()
+            window = self.pool.acquire()
+            self.window = window
+            try:
+                self._map_window()
+            except BaseException:  # not mapped: not this bucket's, so back to the pool
+                self.window = None
+                self.pool.release(window)
+                raise
         elif self.vacated:  # freed, then gathered again before anyone else took the window
             self.pool.pending.remove(self)
         self.vacated = False

@@ -83,8 +83,16 @@ def param_groups(module: torch.nn.Module) -> list:
 
 
 def process_group(param_group):
-    """The process group a param group all-gathers and reduce-scatters over (None: no sharding)."""
-    return getattr(param_group, "_all_gather_process_group", None) if hasattr(param_group, "mesh_info") else None
+    """The process group a param group all-gathers and reduce-scatters over (None: no sharding,
+    as with FSDP2-based ``replicate()``, whose DDP mesh has no shard dimension)."""
+    if not is_sharded(param_group):
+        return None
+    return param_group._all_gather_process_group
+
+
+def is_sharded(param_group) -> bool:
+    """Whether FSDP2 shards this group's params (False for ``replicate()``: DDP mesh info)."""
+    return getattr(getattr(param_group, "mesh_info", None), "shard_mesh_dim", None) is not None
 
 
 def all_gather_in_flight(param_group) -> bool:
@@ -99,14 +107,27 @@ def state_fallback_reason(param_group) -> str:
                 "prefetch): enable TIDE before it, or after the step that consumes it")
     state = getattr(param_group, "_training_state", TrainingState.IDLE)
     if state != TrainingState.IDLE:
-        return f"is in training state {state.name}: enable TIDE between steps"
+        return f"is in FSDP2 training state {state.name} (inside forward or backward): call it between steps"
+    if backward_pending(param_group):
+        return ("has run a forward whose backward has not finished: autograd holds the unsharded "
+                "parameters that forward built, so their gradients would be lost; call it after "
+                "the backward (after a torch.no_grad() forward: after the next training step)")
     for fp in param_group.fsdp_params:
         if fp.sharded_state != ShardedState.SHARDED:
-            return f"is {fp.sharded_state}: enable TIDE while the model is sharded (outside forward/backward)"
+            return (f"is {fp.sharded_state.name} (unsharded by unshard() or reshard_after_forward=False): "
+                    "call model.reshard() first")
     if gradients_pending(param_group):
         return ("holds unsharded gradients not yet reduced (set_requires_gradient_sync(False) "
                 "micro-batches): enable or disable TIDE after the micro-batch that reduces them")
     return ""
+
+
+def backward_pending(param_group) -> bool:
+    """A forward ran and the backward that finalizes it has not: FSDP2 records each forward use
+    of a group for the pre-backward prefetch order and clears the record when the backward ends.
+    (It records no_grad forwards too, so this also holds after an eval forward until the next
+    backward: a refusal then, never lost gradients.)"""
+    return bool(getattr(param_group, "_post_forward_indices", None))
 
 
 def gradients_pending(param_group) -> bool:

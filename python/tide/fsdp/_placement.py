@@ -14,15 +14,16 @@ from .. import _tide
 from ._agreement import exchange
 
 
-def placements(group, device: torch.device, timeout_ms: int) -> list:
+def placements(group, device: torch.device, timeout_ms: int, enable_round: int) -> list:
     """(host name, GPU uuid or "") of every rank of `group`, in group-rank order: where windows can
-    be mapped (one host) and whether NCCL can run (one rank per GPU). Asked over the store."""
+    be mapped (one host) and whether NCCL can run (one rank per GPU). Asked over the store, keyed
+    by the enable's agreement round."""
     gpu = ""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         gpu = str(getattr(props, "uuid", "")) or f"{props.name}#{getattr(props, 'pci_bus_id', device.index)}"
     mine = f"{socket.gethostname()}|{gpu}"
-    return [tuple(v.split("|", 1)) for v in exchange(group, f"placement/{device.type}", mine, timeout_ms)]
+    return [tuple(v.split("|", 1)) for v in exchange(group, f"placement/{enable_round}/{device.type}", mine, timeout_ms)]
 
 
 def transport_for(placements: list, device_type: str, topology, network: str):
