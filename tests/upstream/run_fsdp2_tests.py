@@ -86,7 +86,8 @@ def tide_summary(log: Path) -> dict:
         s["all_gathers"] = max(s["all_gathers"], c["all_gathers"])
         s["reduce_scatters"] = max(s["reduce_scatters"], c["reduce_scatters"])
     if s["enables"] == 0:
-        s["tide"] = "not enabled" if not s["errors"] else "enable raised"
+        s["tide"] = ("enable raised" if s["errors"] else
+                     "not applicable (no param groups)" if s["not_applicable"] else "not enabled")
     elif s["buckets"] == 0:
         s["tide"] = "full fallback"
     elif s["all_gathers"] == 0 and s["reduce_scatters"] == 0:
