@@ -3,6 +3,7 @@
   tide-bench fsdp         train the embedded Llama-style model with stock FSDP2 and with TIDE
   tide-bench collectives  AG / RS size sweep, TIDE vs the stock path (copy-in + collective + copy-out)
   tide-bench interference a one-wave GEMM alone and beside each reduce-scatter (needs a GPU)
+  tide-bench host-cost    host time per step in FSDP2's communication path, stock vs TIDE (GPU)
 
 Ranks are spawned processes by default (`--world`); under torchrun the launched ranks are used.
 """
@@ -77,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("interference", parents=[common], help="one-wave GEMM beside each reduce-scatter (GPU)")
     i.add_argument("--iters", type=_positive("iters"), default=30, help="timed GEMMs per case (>= 20)")
+
+    h = sub.add_parser("host-cost", parents=[common], help="host time per step, stock vs TIDE (GPU)")
+    h.add_argument("--layers", type=_positive("layers"), default=32, help="param groups (blocks)")
+    h.add_argument("--steps", type=_positive("steps"), default=30, help="timed steps")
+    h.add_argument("--warmup", type=_positive("warmup"), default=5)
     return p
 
 
@@ -223,7 +229,29 @@ def main(argv=None) -> int:
         return _fsdp(args, parser, device)
     if args.command == "collectives":
         return _collectives(args, parser, device)
+    if args.command == "host-cost":
+        return _host_cost(args, parser, device)
     return _interference(args, parser, device)
+
+
+def _host_cost(args, parser, device) -> int:
+    from .. import _tide
+    from .host_cost_bench import run_host_cost
+    from .launch import ranks_share_gpus
+
+    if device != "cuda" or not _tide.cuda_built:
+        parser.error("host-cost needs a GPU and a CUDA build of TIDE (on CPU TIDE's host transport "
+                     "copies synchronously: its host time would include its collectives)")
+    if args.world < 2:
+        parser.error(f"--world {args.world}: needs 2 ranks or more")
+    opts = {"layers": args.layers, "steps": args.steps, "warmup": args.warmup}
+    results = _launch(args, device, run_host_cost, opts)
+    if results is None:
+        return 0
+    print(report.host_cost_table(results, ranks_share_gpus(device, args.world)))
+    if args.json:
+        report.write_json(args.json, {"rows": results, "torch": torch.__version__})
+    return 0
 
 
 def _interference(args, parser, device) -> int:

@@ -158,3 +158,19 @@ def interference_table(summary: dict) -> str:
     if not summary["overlapped"]:
         lines.append("WARNING: a background finished before the timed GEMMs did; figures partly alone")
     return "\n".join(lines)
+
+
+def host_cost_table(results: list, shares_gpu: bool) -> str:
+    """The slowest rank's median host time per step, stock vs TIDE, and per param group."""
+    groups = results[0]["groups"]
+    stock = max(r["stock_ms"] for r in results)
+    mine = max(r["tide_ms"] for r in results)
+    where = "ranks sharing one GPU" if shares_gpu else "one rank per GPU"
+    return "\n".join([
+        f"# tide-bench host-cost: {groups} param groups of 2 Linear({64}) each, {len(results)} ranks "
+        f"({where}); host time of forward + backward, median of the slowest rank",
+        f"{'':<34} {'ms/step':>9} {'us/group':>9}",
+        f"{'stock FSDP2 (no-op collectives)':<34} {stock:>9.2f} {1000 * stock / groups:>9.1f}",
+        f"{'TIDE':<34} {mine:>9.2f} {1000 * mine / groups:>9.1f}",
+        f"TIDE / stock: {mine / stock:.2f}x (stock's collectives cost nothing here: a lower bound on "
+        "stock's host time)"])

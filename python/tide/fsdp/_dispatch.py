@@ -32,14 +32,14 @@ def _bucket_of(fsdp_params):
 
 
 def foreach_all_gather(*args, **kwargs):
-    a = _hooks.signature("foreach_all_gather").bind(*args, **kwargs).arguments
-    fsdp_params = a["fsdp_params"]
+    call = _hooks.Call("foreach_all_gather", args, kwargs)
+    fsdp_params = call.get("fsdp_params")
     bucket = _bucket_of(fsdp_params)
     if bucket is None or len(fsdp_params) != len(bucket.fsdp_params):
         return _hooks.stock("foreach_all_gather")(*args, **kwargs)
-    bucket.check_state(a.get("all_gather_comm"))
+    bucket.check_state(call.get("all_gather_comm"))
     with torch.no_grad():
-        return bucket.all_gather(a.get("all_gather_stream") if bucket.cuda else None)
+        return bucket.all_gather(call.get("all_gather_stream") if bucket.cuda else None)
 
 
 def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **kwargs):
@@ -59,24 +59,23 @@ def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **
 
 
 def foreach_reduce(*args, **kwargs):
-    bound = _hooks.signature("foreach_reduce").bind(*args, **kwargs)
-    a = bound.arguments
-    fsdp_params, grads = a["fsdp_params"], a["unsharded_grads"]
+    call = _hooks.Call("foreach_reduce", args, kwargs)
+    fsdp_params, grads = call.get("fsdp_params"), call.get("unsharded_grads")
     bucket = _bucket_of(fsdp_params)
     if bucket is None:
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
-    reason = _reduce_fallback_reason(fsdp_params, grads, a)
+    reason = _reduce_fallback_reason(fsdp_params, grads, call)
     if reason:
         _log_once(("rs", bucket.path, reason), "tide.fsdp: param group %s: this reduce-scatter runs "
                   "stock FSDP2: %s", bucket.path, reason)
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
     subset = tuple(bucket.index[id(fp)] for fp in fsdp_params)
-    comm = ReduceScatterComm(bucket, subset, a.get("gradient_divide_factor"))
+    comm = ReduceScatterComm(bucket, subset, call.get("gradient_divide_factor"))
     pending = _pending_comms()
     pending.append(comm)
     try:
-        a["reduce_scatter_comm"] = comm
-        return _hooks.stock("foreach_reduce")(*bound.args, **bound.kwargs)
+        args, kwargs = call.with_argument("reduce_scatter_comm", comm)
+        return _hooks.stock("foreach_reduce")(*args, **kwargs)
     finally:
         pending.remove(comm)
 
@@ -87,14 +86,15 @@ def _pending_comms() -> list:
     return _local.comms
 
 
-def _reduce_fallback_reason(fsdp_params, grads, a) -> str:
-    if not _fsdp2.is_default_comm(a.get("reduce_scatter_comm"), "reduce_scatter"):
-        return f"a custom reduce-scatter comm ({type(a['reduce_scatter_comm']).__name__})"
+def _reduce_fallback_reason(fsdp_params, grads, call) -> str:
+    comm = call.get("reduce_scatter_comm")
+    if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
+        return f"a custom reduce-scatter comm ({type(comm).__name__})"
     grad_dtypes = {g.dtype for g in grads}
     if len(grad_dtypes) != 1:
         return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"
     grad_dtype = grads[0].dtype
-    reduce_dtype = a.get("reduce_dtype") or grad_dtype
+    reduce_dtype = call.get("reduce_dtype") or grad_dtype
     if grad_dtype not in TORCH_TO_TIDE or reduce_dtype not in (torch.float32, grad_dtype):
         return f"gradient dtype {grad_dtype} with reduce dtype {reduce_dtype}"
     if reduce_dtype not in (torch.float32, torch.bfloat16):
