@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _tide
-from . import _dispatch, _fsdp2, _hooks
+from . import _dispatch, _fsdp2, _hooks, _layout
 from ._agreement import check_agreement
 from ._bucket import TORCH_TO_TIDE, Bucket, Counts
 from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
@@ -246,7 +246,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             result.pools.append(pool)
             for b in members:
                 b.attach(pool)
-    _hooks.acquire(_dispatch.REPLACEMENTS)
+    # >>> torch >= 2.15: all-gathers through FSDP's layout hook where it exists (_layout.py)
+    replacements = _layout.install(result.buckets)
+    # <<<
+    _hooks.acquire(replacements)
     for b in result.buckets:
         for fp in b.fsdp_params:
             # A stock all-gather may have run before: its tensors must not back TIDE's params.
@@ -268,6 +271,7 @@ def disable(module: torch.nn.Module) -> None:
     del _enabled[id(module)]
     for pool in result.pools:
         pool.release_pending()
+    _layout.uninstall(result.buckets)  # torch >= 2.15: FSDP's default layout back (_layout.py)
     for b in result.buckets:
         for fp in b.fsdp_params:
             del fp._tide_bucket

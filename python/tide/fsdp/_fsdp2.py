@@ -159,7 +159,7 @@ def custom_comm_reason(param_group) -> str:
         return f"a custom all-gather comm ({type(ag).__name__})"
     if rs is not None and default_rs is not None and type(rs) is not default_rs:
         return f"a custom reduce-scatter comm ({type(rs).__name__})"
-    return ""
+    return custom_layout_reason(param_group)  # torch >= 2.15: a layout the user installed
 
 
 def is_default_comm(comm, kind: str) -> bool:
@@ -205,3 +205,62 @@ def forget_unsharded(fp) -> None:
     fp.all_gather_outputs = []
     if hasattr(fp, "_unsharded_param"):
         del fp._unsharded_param
+
+
+# --- The all-gather layout hook (PyTorch main, for 2.15: not in 2.14.1) ------------------------------
+# FSDPModule.set_all_gather_layout installs an AllGatherLayout per param group; a
+# BackendOwnedAllGatherLayout's outputs view storage the all-gather backend owns and FSDP keeps it
+# across reshard (docs/ARCHITECTURE.md, "All-gather layouts"). Read at call time, not import time:
+# the interface is experimental and tests install a fake of it into older torch for their duration.
+
+def layout_api():
+    """PyTorch's all-gather layout module when this torch offers the backend-owned layout (else None)."""
+    from torch.distributed.fsdp import FSDPModule
+    if not hasattr(FSDPModule, "set_all_gather_layout"):
+        return None
+    try:
+        from torch.distributed.fsdp._fully_shard import _all_gather_layout as api
+    except ImportError:
+        return None
+    return api if hasattr(api, "BackendOwnedAllGatherLayout") else None
+
+
+def has_all_gather_layout() -> bool:
+    return layout_api() is not None
+
+
+def layout_owner(param_group):
+    """The FSDP module whose set_all_gather_layout reaches exactly this param group (None when its
+    module holds several groups: the setter is per module, a layout instance per group)."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in getattr(param_group, "modules", ()):
+        if isinstance(m, FSDPModule):
+            groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []
+            return m if len(groups) == 1 and groups[0] is param_group else None
+    return None
+
+
+def custom_layout_reason(param_group) -> str:
+    """Non-empty when the group already has a layout other than FSDP's default (the user's)."""
+    api = layout_api()
+    layout = getattr(param_group, "_all_gather_layout", None)
+    if api is None or layout is None or type(layout) is api.DefaultAllGatherLayout:
+        return ""
+    return f"a custom all-gather layout ({type(layout).__name__})"
+
+
+def install_all_gather_layout(param_group, layout) -> None:
+    layout_owner(param_group).set_all_gather_layout(layout)
+
+
+def remove_all_gather_layout(param_group) -> None:
+    """Back to FSDP's default layout (and comm); the adopted outputs are dropped by forget_unsharded."""
+    api = layout_api()
+    layout_owner(param_group).set_all_gather_layout(
+        getattr(api, "DEFAULT_ALL_GATHER_LAYOUT", None) or api.DefaultAllGatherLayout())
+    for fp in param_group.fsdp_params:
+        fp._keep_all_gather_output_storage = False
+    # FSDP-owned persistent buffers (none for a backend-owned layout). The attribute is the fake's
+    # (tests/python/test_fsdp_layout_hook.py); check its name against torch 2.15's driver.
+    if getattr(param_group, "_all_gather_persistent_buffers", None) is not None:
+        param_group._all_gather_persistent_buffers = None
