@@ -317,10 +317,13 @@ def test_all_gathers_go_through_the_layout_not_the_patch(fake_hook, world, tol):
     here, in addition, every handled group's all-gather went prepare -> copy_in -> TIDE's comm ->
     finalize (adopted once) -> release_output at reshard, and the all-gather hooks stayed off."""
     seen = {}
+    baseline_users = _hooks._users
 
     def before_train(model, handle):
         assert all(b.ag_layout is not None for b in handle.buckets)
-        assert not _ag_hooks_installed(), "the all-gather was patched although the layout hook exists"
+        # Off unless another module, enabled and never disabled, installed them (test_fsdp_conformance
+        # leaves two such); either way counts == comm.calls below shows no all-gather took the patch.
+        assert baseline_users or not _ag_hooks_installed(), "the all-gather was patched although the layout hook exists"
         assert all(_hooks._hooks[n].installed for n in ("foreach_reduce", "foreach_reduce_scatter_copy_in"))
         seen[dist.get_rank()] = [b.ag_layout for b in handle.buckets]
 
