@@ -347,6 +347,14 @@ def test_reshard_after_forward_false_and_accumulation(fake_hook):
     conf.compare(2, conf.make, train_kwargs={"micro": 2, "sync_pattern": [False, True]})
 
 
+def test_bf16_params_through_the_layout(fake_hook):
+    """FSDP casts the shards to bf16 before prepare (outside the layout); TIDE's program casts from
+    the fp32 shards itself: the same bits as stock's cast, one extra shard-sized copy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    conf.compare(2, lambda: conf.make(shard_kwargs={"mp_policy": mp}))
+
+
 def test_disable_then_stock_fsdp2_through_the_default_layout(fake_hook):
     """After disable the groups are stock again (the fake's default path) and train like stock."""
     def rank_fn(rank):
