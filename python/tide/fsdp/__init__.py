@@ -246,9 +246,8 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             result.pools.append(pool)
             for b in members:
                 b.attach(pool)
-    # >>> torch >= 2.15: all-gathers through FSDP's layout hook where it exists (_layout.py)
+    # Where torch offers FSDP's all-gather layout hook (>= 2.15), all-gathers go through it.
     replacements = _layout.install(result.buckets)
-    # <<<
     _hooks.acquire(replacements)
     for b in result.buckets:
         for fp in b.fsdp_params:
