@@ -125,18 +125,27 @@ void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t 
   if (count <= 0) return;
   const int grid = static_cast<int>(std::min<int64_t>((count + 255) / 256, 4096));
   switch (type) {
-    case cuda_kernels::kBF16: fill_random_kernel<cuda_kernels::kBF16><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
-    case cuda_kernels::kFP16: fill_random_kernel<cuda_kernels::kFP16><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
-    case cuda_kernels::kFP32: fill_random_kernel<cuda_kernels::kFP32><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
+    case cuda_kernels::kBF16:
+      fill_random_kernel<cuda_kernels::kBF16><<<grid, 256, 0, stream>>>(buffer, count, seed);
+      break;
+    case cuda_kernels::kFP16:
+      fill_random_kernel<cuda_kernels::kFP16><<<grid, 256, 0, stream>>>(buffer, count, seed);
+      break;
+    case cuda_kernels::kFP32:
+      fill_random_kernel<cuda_kernels::kFP32><<<grid, 256, 0, stream>>>(buffer, count, seed);
+      break;
   }
   check(cudaGetLastError(), "fill_random_kernel<<<>>>");
 }
 
 void preload_test_data_kernels() {
   cudaFuncAttributes attributes;
-  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kBF16>), "cudaFuncGetAttributes");
-  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kFP16>), "cudaFuncGetAttributes");
-  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kFP32>), "cudaFuncGetAttributes");
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kBF16>),
+        "cudaFuncGetAttributes");
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kFP16>),
+        "cudaFuncGetAttributes");
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kFP32>),
+        "cudaFuncGetAttributes");
 }
 
 void launch_check_all_gather(const void* slots, const ParamGeometry& g, int world, uint64_t base,

@@ -2,6 +2,7 @@
 #include "bench_common.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <thread>
 
