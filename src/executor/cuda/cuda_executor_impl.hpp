@@ -24,6 +24,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/driver_api.hpp"
 #include "executor/net/group_schedule.hpp"
+#include "executor/tag.hpp"
 #include "kernels.cuh"
 #include "tide/cuda.hpp"
 #include "window/wire.hpp"
@@ -32,6 +33,8 @@ namespace tide {
 namespace cuda_executor_detail {
 
 using Clock = std::chrono::steady_clock;
+using detail::describe_tag;
+using detail::flag_kind_name;
 
 // Written into a stuck flag's epoch to release it: cuStreamWaitValue64's GEQ compares the signed
 // difference (int64_t)(*addr - value) >= 0, so UINT64_MAX would read as -1 and never pass; 2^62

@@ -7,14 +7,11 @@
 #include <algorithm>
 
 #include "cuda_executor_impl.hpp"
-#include "executor/tag.hpp"
 #include "tide/error.hpp"
 
 namespace tide {
 
 using namespace cuda_executor_detail;
-using detail::describe_tag;
-using detail::flag_kind_name;
 
 // Stream waits on `words` of the own mailbox for `peer` on stream `on`, watched.
 void CudaExecutor::Impl::enqueue_mailbox_wait(cudaStream_t on, const NetOutbox* mailbox, int channel,

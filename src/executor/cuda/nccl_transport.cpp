@@ -1,15 +1,12 @@
 // The CUDA executor's NCCL transport: a network group as one ncclGroupStart/End of ncclSend and
 // ncclRecv on the network stream, watched as a whole (only aborting the communicator releases it).
 #include "cuda_executor_impl.hpp"
-#include "executor/tag.hpp"
 #include "tide/error.hpp"
 #include "tide/nccl.hpp"
 
 namespace tide {
 
 using namespace cuda_executor_detail;
-using detail::describe_tag;
-using detail::flag_kind_name;
 
 // One NCCL group, watched as a whole: NCCL can only be released by aborting the communicator.
 void CudaExecutor::Impl::issue_nccl_group(const net::NetGroup& group, const Program& program,

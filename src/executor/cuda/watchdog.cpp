@@ -9,14 +9,11 @@
 #include <thread>
 
 #include "cuda_executor_impl.hpp"
-#include "executor/tag.hpp"
 #include "tide/error.hpp"
 
 namespace tide {
 
 using namespace cuda_executor_detail;
-using detail::describe_tag;
-using detail::flag_kind_name;
 
 void CudaExecutor::Impl::store_error(std::exception_ptr e) {
   std::lock_guard<std::mutex> lock(mutex);
