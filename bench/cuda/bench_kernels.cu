@@ -12,6 +12,13 @@ namespace {
 using cuda_kernels::Element;
 using cuda_kernels::ElementType;
 
+template <ElementType T>
+__global__ void fill_random_kernel(void* buffer, int64_t count, uint64_t seed) {
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < count;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    cuda_kernels::store_scalar<T>(buffer, k, random_value(seed, k));
+}
+
 __device__ int64_t valid_numel(const ParamGeometry& g, int rank) {
   const int64_t rows = min(max(g.dim0 - rank * g.rows_per_rank, int64_t{0}), g.rows_per_rank);
   return rows * g.row_numel;
@@ -30,7 +37,7 @@ __global__ void check_all_gather_kernel(const void* slots, ParamGeometry g, int 
     Storage expected = Element<D>::from_float(0.0f);
     if (k < valid_numel(g, owner)) {
       const float shard = Element<S>::to_float(Element<S>::from_float(
-          cuda_kernels::random_value(input_seed(base, param, owner), k)));
+          random_value(input_seed(base, param, owner), k)));
       expected = Element<D>::from_float(shard);
     }
     wrong += static_cast<const Storage*>(slots)[e] != expected;
@@ -51,7 +58,7 @@ __global__ void check_reduce_scatter_kernel(const void* output, ParamGeometry g,
     float acc = 0.0f, magnitude = 0.0f;
     for (int r = 0; r < world; ++r) {
       const float grad = Element<D>::to_float(Element<D>::from_float(
-          cuda_kernels::random_value(input_seed(base, param, r), rank * g.shard_numel + k)));
+          random_value(input_seed(base, param, r), rank * g.shard_numel + k)));
       acc = __fadd_rn(acc, __fmul_rn(grad, prescale));
       magnitude += fabsf(grad * prescale);
     }
@@ -112,6 +119,34 @@ struct ReduceScatterCheck {
 };
 
 }  // namespace
+
+void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t seed,
+                        cudaStream_t stream) {
+  if (count <= 0) return;
+  const int grid = static_cast<int>(std::min<int64_t>((count + 255) / 256, 4096));
+  switch (type) {
+    case cuda_kernels::kBF16:
+      fill_random_kernel<cuda_kernels::kBF16><<<grid, 256, 0, stream>>>(buffer, count, seed);
+      break;
+    case cuda_kernels::kFP16:
+      fill_random_kernel<cuda_kernels::kFP16><<<grid, 256, 0, stream>>>(buffer, count, seed);
+      break;
+    case cuda_kernels::kFP32:
+      fill_random_kernel<cuda_kernels::kFP32><<<grid, 256, 0, stream>>>(buffer, count, seed);
+      break;
+  }
+  check(cudaGetLastError(), "fill_random_kernel<<<>>>");
+}
+
+void preload_test_data_kernels() {
+  cudaFuncAttributes attributes;
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kBF16>),
+        "cudaFuncGetAttributes");
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kFP16>),
+        "cudaFuncGetAttributes");
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kFP32>),
+        "cudaFuncGetAttributes");
+}
 
 void launch_check_all_gather(const void* slots, const ParamGeometry& g, int world, uint64_t base,
                              int param, unsigned long long* mismatches, cudaStream_t stream) {

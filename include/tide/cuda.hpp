@@ -172,7 +172,6 @@ class CudaExecutor final : public Executor {
     double reduce_cta_us = 0;  // CTA-microseconds of reduce kernels
     double network_cta_us = 0; // CTA-microseconds of the IPC network's pull kernels
     int copies = 0;            // copy-engine copies enqueued
-    int batched_copy_calls = 0;  // cudaMemcpyBatchAsync calls
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -112,16 +113,27 @@ class HostExecutor final : public Executor {
   };
 
  private:
+  // Defined in src/executor/host/ (host_internal.hpp lists the files).
   class Publisher;
-  void wait(const Program& program, std::size_t index, const WaitOp& op, uint64_t epoch,
-            Publisher& publisher);
+  struct PostedSend;
+  struct RunState;
+  struct Awaited;
+  ExecutorState peer_state(int peer) const;
+  // The one wait loop: until awaited.ready(), bounded by the timeout, ended early by the peer's
+  // state (awaited.check_peer).
+  void wait_until(int peer, const Awaited& awaited) const;
+  void wait_for_flag(RunState& run, std::size_t index, const WaitOp& op) const;
+  // Host network transport (a stand-in for NCCL): waits until ready() holds, sleeping on `word`;
+  // `what` names the transfer in errors.
+  void wait_for_transfer(RunState& run, std::size_t index, int peer, const std::string& what,
+                         uint64_t* word, FlagKind kind, const std::function<bool()>& ready) const;
+  void net_send(RunState& run, std::size_t index, const NetSendOp& send) const;
+  void net_receive(RunState& run, std::size_t index, const NetRecvOp& recv) const;
+  void complete_send(RunState& run, const PostedSend& send, std::size_t index) const;
+  // Before a step writes own-window bytes [a, a + bytes): the sends reading them complete.
+  void complete_sends_reading(RunState& run, const Address& a, std::size_t bytes,
+                              std::size_t index) const;
   void retract_slot_free(uint64_t epoch);
-  // Host network transport (a stand-in for NCCL, see NetOutbox): waits, bounded by the timeout,
-  // until ready() holds, sleeping on `word`; `what` names the transfer in errors.
-  template <class Ready>
-  void net_wait(const Program& program, std::size_t index, int peer, uint64_t epoch,
-                const std::string& what, uint64_t* word, FlagKind kind, Ready ready,
-                Publisher& publisher);
   HostWindow& window_;
   std::chrono::milliseconds timeout_;
   bool debug_;
@@ -136,7 +148,8 @@ std::string describe_executor_state();
 // world match, the window is large and aligned enough, every input and output a step uses is bound.
 // Shared by all executors so they reject bad input identically. Network ops (NetSendOp,
 // NetRecvOp) are rejected unless the executor has a network transport (net_supported: the host
-// executor's stand-in for NCCL; the CUDA executor has none yet).
+// executor's stand-in for NCCL; the CUDA executor's NCCL communicator or CUDA IPC on a kHost
+// window).
 void validate_run(const Program& program, const Bindings& bindings, int rank, int world,
                   std::size_t window_bytes, const void* window_base, bool net_supported = false);
 

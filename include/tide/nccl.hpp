@@ -30,9 +30,6 @@ class NcclLibrary {
   int version() const { return version_; }            // e.g. 22809 for 2.28.9
   std::string version_string() const;                  // "2.28.9"
   const std::string& path() const { return path_; }   // where it was loaded from
-  // One-sided ncclPutSignal/ncclWaitSignal (NCCL >= 2.29): present in this library. TIDE's
-  // executor does not use them yet (grouped send/receive only).
-  bool has_put_signal() const { return put_signal_; }
 
   // Entry points, with NCCL's C ABI (ncclComm_t = void*, cudaStream_t = void*, enums as int).
   struct UniqueId {
@@ -71,7 +68,6 @@ class NcclLibrary {
   void* handle_ = nullptr;
   int version_ = 0;
   std::string path_;
-  bool put_signal_ = false;
 };
 
 class NcclComm {

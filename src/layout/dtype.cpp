@@ -4,6 +4,7 @@
 #include <cstring>
 #include <string>
 
+#include "layout/bf16_bits.hpp"
 #include "tide/error.hpp"
 
 namespace tide {
@@ -46,14 +47,9 @@ static float float_of(uint32_t u) {
   return f;
 }
 
-uint16_t float_to_bf16(float value) {
-  uint32_t u = bits_of(value);
-  if (std::isnan(value)) return static_cast<uint16_t>((u >> 16) | 0x0040);  // quiet NaN
-  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
+uint16_t float_to_bf16(float value) { return detail::bf16_bits_from_float_bits(bits_of(value)); }
 
-float bf16_to_float(uint16_t bits) { return float_of(static_cast<uint32_t>(bits) << 16); }
+float bf16_to_float(uint16_t bits) { return float_of(detail::float_bits_from_bf16_bits(bits)); }
 
 uint16_t float_to_fp16(float value) {
   const uint32_t u = bits_of(value);

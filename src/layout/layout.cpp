@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "common/round_up.hpp"
 #include "tide/error.hpp"
 
 namespace tide {
@@ -32,10 +33,6 @@ static std::string shape_string(const std::vector<int64_t>& shape) {
   for (std::size_t k = 0; k < shape.size(); ++k) os << (k ? ", " : "") << shape[k];
   os << ']';
   return os.str();
-}
-
-static std::size_t align_up(std::size_t value, std::size_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
 }
 
 BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std::size_t alignment)
@@ -82,11 +79,11 @@ BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std:
     // Each term is < 2^63 (slot < 2^42 B, W <= 2^20), so only the running sum needs a check.
     const std::size_t param_bytes = static_cast<std::size_t>(world) * p.slot_bytes();
     TIDE_CHECK_ARG(param_bytes <= kMaxWindowBytes - offset &&
-                       align_up(offset + param_bytes, alignment_) <= kMaxWindowBytes,
+                       detail::round_up(offset + param_bytes, alignment_) <= kMaxWindowBytes,
                    where, "window bytes up to this param",
                    detail::concat(offset, " + ", param_bytes),
                    detail::concat("<= 2^48 per rank (W = ", world, ")"));
-    offset = align_up(offset + param_bytes, alignment_);
+    offset = detail::round_up(offset + param_bytes, alignment_);
     params_.push_back(std::move(p));
   }
   window_bytes_ = offset;

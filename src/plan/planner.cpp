@@ -24,7 +24,21 @@ Program detail::empty_program(Collective collective, const BucketLayout& layout,
   return program;
 }
 
+void detail::add_cast_in(Program& program, const BucketLayout& layout) {
+  const int rank = program.rank;
+  const auto& params = layout.params();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamLayout& p = params[i];
+    const int64_t valid = p.valid_numel(rank);
+    program.steps.push_back({Phase::kCastIn, CastOp{win(rank, p.slot_offset(rank)),
+                                                   {Space::kInput, static_cast<int>(i), 0}, valid,
+                                                   p.shard_numel - valid, p.shard_dtype, p.dtype}});
+  }
+}
+
 namespace {
+
+using detail::win;
 
 // Peers in staggered order rank+1, rank+2, ...: at any moment each rank pushes to a different peer,
 // so no window receives from everyone at once.
@@ -34,8 +48,6 @@ std::vector<int> staggered_peers(int rank, int world) {
   for (int k = 1; k < world; ++k) peers.push_back((rank + k) % world);
   return peers;
 }
-
-Address window_at(int rank, std::size_t offset) { return {Space::kWindow, rank, offset}; }
 
 void add_slot_free_signals(Program& program, const std::vector<int>& peers) {
   for (int q : peers) program.steps.push_back({Phase::kSlotFree, SignalOp{q, FlagKind::kSlotFree}});
@@ -84,21 +96,14 @@ void check_reduce_options(const BucketLayout& layout, const ReduceOptions& optio
 Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket) {
   Program program = detail::empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
   const auto& params = layout.params();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const ParamLayout& p = params[i];
-    const int64_t valid = p.valid_numel(rank);
-    program.steps.push_back(
-        {Phase::kCastIn, CastOp{window_at(rank, p.slot_offset(rank)),
-                                {Space::kInput, static_cast<int>(i), 0}, valid,
-                                p.shard_numel - valid, p.shard_dtype, p.dtype}});
-  }
+  add_cast_in(program, layout);
   const std::vector<int> peers = staggered_peers(rank, layout.world());
   add_slot_free_signals(program, peers);
   add_pushes(program, peers, [&](int q) {
     CopyBatch batch;
     for (const ParamLayout& p : params)
       batch.copies.push_back(
-          {window_at(q, p.slot_offset(rank)), window_at(rank, p.slot_offset(rank)), p.slot_bytes()});
+          {win(q, p.slot_offset(rank)), win(rank, p.slot_offset(rank)), p.slot_bytes()});
     return batch;
   });
   return program;
@@ -118,7 +123,7 @@ Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
       const ParamLayout& p = params[i];
       const int64_t n = p.valid_numel(q);
       if (n == 0) continue;
-      batch.copies.push_back({window_at(q, p.slot_offset(rank)),
+      batch.copies.push_back({win(q, p.slot_offset(rank)),
                               {Space::kInput, static_cast<int>(i), q * p.slot_bytes()},
                               static_cast<std::size_t>(n) * p.elem_size});
     }
@@ -136,7 +141,7 @@ Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
     for (int src = 0; src < layout.world(); ++src)
       reduce.sources.push_back(src == rank ? Address{Space::kInput, static_cast<int>(i),
                                                      rank * p.slot_bytes()}
-                                           : window_at(rank, p.slot_offset(src)));
+                                           : win(rank, p.slot_offset(src)));
     program.steps.push_back({Phase::kReduce, std::move(reduce)});
   }
   return program;

@@ -1,14 +1,32 @@
-// Planner pieces shared between the single-node and the multi-node planners.
+// Planner pieces shared between the single-node planner (planner.cpp), the multi-node all-gather
+// (net_planner.cpp) and the multi-node reduce-scatter (net_reduce_scatter.cpp).
 #pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
 
 #include "tide/plan.hpp"
 
 namespace tide::detail {
 
+// Multi-node staging buffers start at, and are sized in, multiples of this.
+inline constexpr std::size_t kStagingAlign = 256;
+
+inline Address win(int rank, std::size_t offset) { return {Space::kWindow, rank, offset}; }
+
 void check_reduce_options(const BucketLayout& layout, const ReduceOptions& options);
+void check_net(const NetOptions& net, const char* where);
 // A program with its header filled in and no steps; checks rank and bucket (`where` names the API).
 Program empty_program(Collective collective, const BucketLayout& layout, int rank, uint32_t bucket,
                       const char* where);
+// The all-gather's first steps: every param's input shard cast into the own slot, zero padded.
+void add_cast_in(Program& program, const BucketLayout& layout);
+// Local peers of `rank` on its node, staggered (local + 1, local + 2, ...).
+std::vector<int> local_peers(const Topology& t, int rank);
+// Elements of one reduce-scatter staging chunk (sized for fp32 whatever the wire dtype).
+int64_t rs_chunk_elems(const BucketLayout& layout, const NetOptions& net);
+
 Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket);
 Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
                                      const ReduceOptions& options, uint32_t bucket);

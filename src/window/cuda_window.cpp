@@ -18,17 +18,19 @@
 #include <random>
 #include <string>
 
-#include "cuda_check.hpp"
-#include "driver_api.hpp"
+#include "common/round_up.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/driver_api.hpp"
 #include "tide/cuda.hpp"
 #include "tide/error.hpp"
+#include "window/wire.hpp"
 
 namespace tide {
 namespace {
 
 constexpr std::size_t kDataAlignment = 256;
 
-std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+using detail::round_up;
 
 // Flags, then the IPC network's mailboxes (at their alignment): what follows a window's data,
 // zeroed at creation.

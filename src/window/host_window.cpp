@@ -9,14 +9,16 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "common/round_up.hpp"
 #include "tide/error.hpp"
 #include "tide/window.hpp"
+#include "window/wire.hpp"
 
 namespace tide {
 namespace {
 
-std::size_t data_region_bytes(std::size_t data_bytes) { return (data_bytes + 63) / 64 * 64; }
-std::size_t flag_region_bytes(int world) { return (flag_array_bytes(world) + 63) / 64 * 64; }
+std::size_t data_region_bytes(std::size_t data_bytes) { return detail::round_up(data_bytes, 64); }
+std::size_t flag_region_bytes(int world) { return detail::round_up(flag_array_bytes(world), 64); }
 
 std::string unique_segment_name(int rank) {
   static std::atomic<uint64_t> counter{0};

@@ -1,6 +1,7 @@
 // Device-side element conversions and 8-wide vector accesses, bit for bit as tide/dtype.hpp's host
-// versions (round to nearest even, the same NaN encodings). Shared by the executor's kernels and
-// the benchmark's checking kernels. CUDA-only (include from .cu files).
+// versions (round to nearest even, the same NaN encodings; bf16 from the one definition in
+// src/layout/bf16_bits.hpp). Shared by the executor's kernels and the benchmark's kernels.
+// CUDA-only (include from .cu files).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -8,18 +9,16 @@
 #include <cstdint>
 
 #include "kernels.cuh"
+#include "layout/bf16_bits.hpp"
 
 namespace tide::cuda_kernels {
 
 __device__ __forceinline__ float bf16_to_float(uint16_t bits) {
-  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+  return __uint_as_float(detail::float_bits_from_bf16_bits(bits));
 }
 
 __device__ __forceinline__ uint16_t float_to_bf16(float value) {
-  uint32_t u = __float_as_uint(value);
-  if (isnan(value)) return static_cast<uint16_t>((u >> 16) | 0x0040);  // quiet NaN, as the host
-  u += 0x7FFF + ((u >> 16) & 1);                                        // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
+  return detail::bf16_bits_from_float_bits(__float_as_uint(value));
 }
 
 __device__ __forceinline__ float fp16_to_float(uint16_t bits) {

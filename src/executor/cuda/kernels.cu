@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "convert.cuh"
-#include "cuda_check.hpp"
+#include "cuda/cuda_check.hpp"
 
 namespace tide::cuda_kernels {
 namespace {
@@ -272,15 +272,6 @@ __global__ void __launch_bounds__(kThreadsPerCta) net_pull_kernel(const uint64_t
   }
 }
 
-// ---- Fill (benchmarks and tests). ------------------------------------------------------------
-
-template <ElementType T>
-__global__ void fill_random_kernel(void* buffer, int64_t count, uint64_t seed) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < count;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    store_scalar<T>(buffer, k, random_value(seed, k));
-}
-
 // ---- Host side. ------------------------------------------------------------------------------
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -350,9 +341,6 @@ void preload_kernels() {
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<SmallReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<LargeReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, net_pull_kernel));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kBF16>));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kFP16>));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fill_random_kernel<kFP32>));
 }
 
 int ctas_per_sm() {
@@ -464,18 +452,6 @@ LaunchInfo launch_net_pull(const uint64_t* offset, const void* peer_data, void* 
       offset, static_cast<const std::byte*>(peer_data), static_cast<std::byte*>(dst), bytes, limit);
   check_launch("net_pull_kernel<<<>>>");
   return {1, grid};
-}
-
-void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t seed,
-                        cudaStream_t stream) {
-  if (count <= 0) return;
-  const int grid = static_cast<int>(std::min<int64_t>((count + 255) / 256, 4096));
-  switch (type) {
-    case kBF16: fill_random_kernel<kBF16><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
-    case kFP16: fill_random_kernel<kFP16><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
-    case kFP32: fill_random_kernel<kFP32><<<grid, 256, 0, stream>>>(buffer, count, seed); break;
-  }
-  check_launch("fill_random_kernel<<<>>>");
 }
 
 }  // namespace tide::cuda_kernels

@@ -1,6 +1,8 @@
-// The kernels of the CUDA executor (cast, reduce, and the IPC network's pull), and their host-side launchers. Both take a task table by
-// value (a __grid_constant__ kernel parameter), so one launch serves every CastOp (or ReduceOp) of
-// a program and nothing has to be uploaded or kept alive: the launch copies the table.
+// The kernels of the CUDA executor (cast, reduce, and the IPC network's pull), and their host-side
+// launchers. Cast and reduce take a task table by value (a __grid_constant__ kernel parameter), so
+// one launch serves every CastOp (or ReduceOp) of a program and nothing has to be uploaded or kept
+// alive: the launch copies the table. The benchmark also launches them (ceilings, interference),
+// through the internal target tide_cuda_kernels_internal.
 //
 // Arithmetic is exactly the host executor's: conversions bit for bit as tide/dtype.hpp's (round to
 // nearest even, same NaN encodings), fp32 accumulation with explicit __fadd_rn/__fmul_rn (never
@@ -80,26 +82,5 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
 inline constexpr int kNetPullCtas = 16;
 LaunchInfo launch_net_pull(const uint64_t* offset, const void* peer_data, void* dst,
                            std::size_t bytes, std::size_t limit, cudaStream_t stream);
-
-#if defined(__CUDACC__)
-#define TIDE_HOST_DEVICE __host__ __device__
-#else
-#define TIDE_HOST_DEVICE
-#endif
-
-// Deterministic test data: an odd multiple of 2^-24 in (-1, 1), so never 0 and exact in fp32;
-// the same on host and device, so references need no copy of the device's inputs.
-TIDE_HOST_DEVICE inline float random_value(uint64_t seed, int64_t index) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(index) * 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 31;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 29;
-  const int64_t odd = 2 * (static_cast<int64_t>(x >> 40) - (int64_t{1} << 23)) + 1;
-  return static_cast<float>(odd) * (1.0f / 16777216.0f);
-}
-
-// Fills buffer[k] = round(type, random_value(seed, k)), k < count (benchmarks, tests).
-void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t seed,
-                        cudaStream_t stream);
 
 }  // namespace tide::cuda_kernels

@@ -83,8 +83,6 @@ const NcclLibrary& NcclLibrary::get() {
                                " lacks entry points: ", missing);
       return;
     }
-    lib->put_signal_ = lib->version_ >= 22900 && ::dlsym(handle, "ncclPutSignal") &&
-                       ::dlsym(handle, "ncclWaitSignal");
     library = lib;  // kept for the process's lifetime, like the library itself
   });
   if (!library) throw SystemError(failure);

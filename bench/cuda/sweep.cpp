@@ -1,0 +1,193 @@
+// tide_bench_cuda sweep / bucket: TIDE-AG and TIDE-RS timed per rank and checked on the device.
+#include "bench_common.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <thread>
+
+namespace tide::bench {
+
+// ---- Collective benchmark (one rank). ---------------------------------------------------------
+
+void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective,
+                           const std::vector<BucketCase>& cases, const Args& args) {
+  select_device(rank);
+  const int world = bootstrap.world();
+  const Topology topology{args.nodes, world / args.nodes};
+  NetOptions net;  // ring
+  net.chunk_bytes = args.chunk_mib << 20;
+  net.wire_dtype = args.wire == "bf16" ? DType::kBF16 : DType::kFP32;
+  const bool lossy = net.wire_dtype == DType::kBF16;
+  const bool ipc = args.network == "ipc";
+  std::unique_ptr<NcclComm> network;
+  if (args.nodes > 1 && !ipc) network = NcclComm::create(bootstrap);
+  cudaStream_t stream = nullptr;
+  BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::size_t free_bytes = 0, total_bytes = 0;
+  BCHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  int devices = 1;
+  BCHECK(cudaGetDeviceCount(&devices));
+  const int ranks_per_device = (world + devices - 1) / devices;
+  DeviceMemory mismatches(sizeof(unsigned long long));
+
+  for (const BucketCase& bc : cases) {
+    const BucketLayout layout(bc.specs, topology);
+    // Decided from the device's total memory (the same on every rank), not from free memory,
+    // which changes while the other ranks allocate.
+    const std::size_t need = rank_bytes(layout, collective) + (512u << 20);
+    if (need * ranks_per_device > total_bytes * 0.85) {
+      if (rank == 0) {
+        Row r{"collective", bc.label, world, double(unsharded_bytes(layout)), 0, 0, 0, 0, 0,
+              "skipped: needs " + human_bytes(double(need) * ranks_per_device) + " per GPU"};
+        append_row(r);
+      }
+      continue;
+    }
+    const ReduceOptions options;  // kAvg
+    const Program program = collective == Collective::kAllGather
+                                ? plan_all_gather(layout, rank, 1, net)
+                                : plan_reduce_scatter(layout, rank, options, 2, net);
+    // Memory before the window, whose creation ends in a barrier: with ranks as threads,
+    // cudaMalloc/cudaFree may wait for the whole device while a peer's stream waits on this rank.
+    std::vector<DeviceMemory> inputs, outputs;
+    Bindings bindings;
+    for (std::size_t i = 0; i < layout.num_params(); ++i) {
+      const ParamLayout& p = layout.param(i);
+      const uint64_t seed = input_seed(kSeedBase, int(i), rank);
+      if (collective == Collective::kAllGather) {
+        inputs.emplace_back(p.valid_numel(rank) * dtype_size(p.shard_dtype));
+        launch_fill_random(inputs.back().ptr, element_type(p.shard_dtype),
+                                         p.valid_numel(rank), seed, stream);
+      } else {
+        inputs.emplace_back(p.unsharded_bytes());
+        launch_fill_random(inputs.back().ptr, element_type(p.dtype), p.numel(), seed,
+                                         stream);
+        outputs.emplace_back(p.valid_numel(rank) * dtype_size(p.shard_dtype));
+        bindings.outputs.push_back(outputs.back().ptr);
+      }
+      bindings.inputs.push_back(inputs.back().ptr);
+    }
+    BCHECK(cudaStreamSynchronize(stream));
+    auto window = CudaWindow::create(bootstrap, program.window_bytes, topology, CudaMemory::kMalloc,
+                                     ipc ? CudaReach::kHost : CudaReach::kNode);
+
+    double median_us = 0, sm_cta_us = 0;
+    bool batched = true;
+    unsigned long long wrong = 0;
+    {
+      CudaExecutor executor(*window, stream, default_timeout(), network.get());
+      for (int w = 0; w < args.warmup; ++w) executor.run(program, bindings);
+      executor.synchronize();
+      bootstrap.barrier();
+      const auto times = time_each(stream, args.iters, [&] { executor.run(program, bindings); });
+      executor.synchronize();
+      median_us = median(times);
+      executor.enable_stats(true);
+      executor.reset_stats();
+      executor.run(program, bindings);
+      const CudaExecutor::Stats stats = executor.stats();
+      sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us;
+      // No fallback to one cudaMemcpyAsync per copy (a program may have no copies at all: one
+      // rank per node has no local peers to push to).
+      batched = stats.single_copy_calls == 0;
+      executor.enable_stats(false);
+      bootstrap.barrier();  // threads: no pageable copy (below) while a peer's stream may wait
+
+      // Check the last run's result on the device, bit for bit.
+      BCHECK(cudaMemsetAsync(mismatches.ptr, 0, sizeof(unsigned long long), stream));
+      for (std::size_t i = 0; i < layout.num_params(); ++i) {
+        const ParamLayout& p = layout.param(i);
+        const ParamGeometry g{p.dim0, p.row_numel, p.rows_per_rank, p.shard_numel,
+                              element_type(p.dtype), element_type(p.shard_dtype)};
+        if (collective == Collective::kAllGather)
+          launch_check_all_gather(window->data(rank) + p.window_offset, g, world, kSeedBase,
+                                  int(i), static_cast<unsigned long long*>(mismatches.ptr), stream);
+        else
+          launch_check_reduce_scatter(outputs[i].ptr, g, world, rank, kSeedBase, int(i),
+                                      options.prescale, options.postscale / float(world),
+                                      args.nodes <= 1 ? 0.0f
+                                      : lossy         ? args.nodes * std::ldexp(1.0f, -8)
+                                                      : 1e-6f,
+                                      static_cast<unsigned long long*>(mismatches.ptr), stream);
+      }
+      BCHECK(cudaMemcpyAsync(&wrong, mismatches.ptr, sizeof wrong, cudaMemcpyDeviceToHost, stream));
+      BCHECK(cudaStreamSynchronize(stream));
+    }
+    char mine[128];
+    std::snprintf(mine, sizeof mine, "%.3f %llu %.3f", median_us, wrong, sm_cta_us);
+    const auto all = bootstrap.allgather(mine);
+    if (rank == 0) {
+      double slowest = 0, sm_sum = 0;
+      unsigned long long wrong_total = 0;
+      for (const std::string& s : all) {
+        double t = 0, sm = 0;
+        unsigned long long w = 0;
+        std::sscanf(s.c_str(), "%lf %llu %lf", &t, &w, &sm);
+        slowest = std::max(slowest, t), wrong_total += w, sm_sum += sm;
+      }
+      Row r;
+      r.section = "collective";
+      r.label = bc.label;
+      r.world = world;
+      r.bytes = double(unsharded_bytes(layout));
+      r.time_us = slowest;
+      r.algbw = r.bytes / (slowest * 1e-6) / 1e9;
+      r.busbw = r.algbw * (world - 1) / world;
+      r.sm_cta_us = sm_sum / world;
+      r.staging = collective == Collective::kReduceScatter
+                      ? double(program.bytes_pushed() + rs_staging_bytes(layout, net))
+                      : 0.0;
+      if (args.nodes > 1)
+        r.label += " [" + std::to_string(topology.nodes) + "x" + std::to_string(topology.local) +
+                   " nodes, " + (ipc ? "IPC" : "NCCL") + ", " + std::to_string(args.chunk_mib) +
+                   " MiB chunks" + (lossy && collective == Collective::kReduceScatter ? ", bf16 wire" : "") +
+                   "]";
+      r.note = wrong_total == 0 ? (args.nodes > 1 && collective == Collective::kReduceScatter
+                                       ? (lossy ? "ok (within the bf16 wire's roundings)" : "ok (within 1e-6)")
+                                       : "ok (bitwise)")
+                                : "FAIL: " + std::to_string(wrong_total) + " wrong elements";
+      if (!batched) r.note += ", copies NOT batched (cudaMemcpyAsync fallback)";
+      append_row(r);
+      print_collective_row(r);
+      std::fflush(stdout);
+    }
+    bootstrap.barrier();  // everyone done with the window before it is freed
+  }
+  network.reset();
+  BCHECK(cudaStreamDestroy(stream));
+}
+
+bool run_collective(Collective collective, int world, const std::vector<BucketCase>& cases,
+                    const Args& args) {
+  std::printf("\n# %s, W=%d ranks as %s (%d timed runs, median of the slowest rank)\n",
+              collective == Collective::kAllGather ? "TIDE-AG (fp32 shards -> bf16 params)"
+                                                   : "TIDE-RS (bf16 grads -> fp32 shards, avg)",
+              world, args.threads ? "threads of one process" : "processes", args.iters);
+  print_collective_header();
+  if (!args.threads)
+    return fork_ranks(world, [&](int rank, Bootstrap& b) {
+      bench_collective_rank(rank, b, collective, cases, args);
+    });
+  return run_single_child([&] {
+    auto rendezvous = make_thread_rendezvous(world);
+    std::vector<std::string> errors(world);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < world; ++rank)
+      ranks.emplace_back([&, rank] {
+        ranks_are_threads = true;
+        try {
+          ThreadBootstrap bootstrap(rendezvous, rank, 300000ms);
+          bench_collective_rank(rank, bootstrap, collective, cases, args);
+        } catch (const std::exception& e) {
+          errors[rank] = e.what();
+        }
+      });
+    for (std::thread& t : ranks) t.join();
+    for (int rank = 0; rank < world; ++rank)
+      if (!errors[rank].empty())
+        throw std::runtime_error("rank " + std::to_string(rank) + ": " + errors[rank]);
+  });
+}
+
+}  // namespace tide::bench

@@ -1,0 +1,210 @@
+// CudaExecutor::Impl: the executor's state and the members its files define, one file per job:
+//   cuda_executor.cpp   the public API, life cycle, events and streams, stats
+//   lowering.cpp        a program's steps -> stream operations (copy batches, kernel batches,
+//                       flag writes and waits), network groups issued where the schedule says
+//   nccl_transport.cpp  a network group over NCCL (grouped send/recv), and its timeout message
+//   ipc_transport.cpp   a network group over CUDA IPC mailboxes, and diagnosing/releasing a stuck one
+//   watchdog.cpp        the host thread that turns a stuck wait into an error and drains the stream
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/driver_api.hpp"
+#include "executor/net/group_schedule.hpp"
+#include "executor/tag.hpp"
+#include "kernels.cuh"
+#include "tide/cuda.hpp"
+#include "window/wire.hpp"
+
+namespace tide {
+namespace cuda_executor_detail {
+
+using Clock = std::chrono::steady_clock;
+using detail::describe_tag;
+using detail::flag_kind_name;
+
+// Written into a stuck flag's epoch to release it: cuStreamWaitValue64's GEQ compares the signed
+// difference (int64_t)(*addr - value) >= 0, so UINT64_MAX would read as -1 and never pass; 2^62
+// passes for every epoch a window can reach.
+inline constexpr uint64_t kReleaseEpoch = uint64_t{1} << 62;
+
+inline cuda_kernels::ElementType element_type(DType dtype) {
+  return static_cast<cuda_kernels::ElementType>(static_cast<int>(dtype));
+}
+
+// A stream wait on a word of the own window's IPC mailbox: `value` passes it (GEQ or EQ).
+struct MailboxWord {
+  uint64_t* word;
+  uint64_t value;
+  bool equal;
+};
+
+struct PendingWait {
+  enum class Kind : uint8_t {
+    kFlag,     // a WaitOp: `flag`
+    kNccl,     // a network group over NCCL: only an abort releases it
+    kMailbox,  // an IPC network transfer: `words` of `mailbox`
+  };
+  uint64_t id = 0;
+  cudaEvent_t before = nullptr;
+  cudaEvent_t after = nullptr;
+  Kind kind = Kind::kFlag;
+  FlagWord* flag = nullptr;  // kFlag: own flag, device pointer
+  uint64_t epoch = 0;
+  uint64_t tag = 0;
+  int peer = -1;
+  FlagKind flag_kind = FlagKind::kDataReady;  // kFlag
+  Phase phase = Phase::kPush;
+  std::string what;  // kNccl: the group's peers; kMailbox: the transfer, for messages
+  const NetOutbox* mailbox = nullptr;  // kMailbox: own mailbox for `peer`
+  std::vector<MailboxWord> words;      // kMailbox
+  int channel = 0;                     // kMailbox
+  uint64_t seq = 0;                    // kMailbox receive: the send number it waits for (else 0)
+  uint64_t* offset = nullptr;          // kMailbox receive: its entry's offset, poisoned on release
+  std::size_t bytes = 0;               // kMailbox receive: its bytes
+};
+
+struct Span {
+  const std::byte* begin;
+  const std::byte* end;
+  bool overlaps(const Span& o) const { return begin < o.end && o.begin < end; }
+};
+
+enum class KernelKind : uint8_t { kCast, kReduce, kNetPull };
+
+struct KernelTiming {
+  cudaEvent_t start;
+  cudaEvent_t end;
+  int ctas;
+  KernelKind kind;
+};
+
+// A program address -> the pointer it names in this run.
+using Resolve = std::function<std::byte*(const Address&)>;
+
+}  // namespace cuda_executor_detail
+
+struct CudaExecutor::Impl {
+  using PendingWait = cuda_executor_detail::PendingWait;
+  using MailboxWord = cuda_executor_detail::MailboxWord;
+  using KernelKind = cuda_executor_detail::KernelKind;
+  using KernelTiming = cuda_executor_detail::KernelTiming;
+  using Resolve = cuda_executor_detail::Resolve;
+
+  CudaWindow& window;
+  cudaStream_t stream;
+  std::chrono::milliseconds timeout;
+  NcclComm* network;
+  const cuda_detail::DriverApi& api;
+  cudaStream_t net_stream = nullptr;   // created at the first multi-node program
+  // IPC network: a group's transfers with its second, third... peer run on these, so none waits
+  // behind another peer's (NCCL runs a group's transfers concurrently too).
+  std::vector<cudaStream_t> peer_streams;
+  cudaEvent_t net_ready = nullptr;     // the compute stream's position at a group's last op
+  std::mutex net_mutex;                // NCCL calls on `network` vs the watchdog's abort
+  cudaStream_t side_stream = nullptr;  // non-blocking: the watchdog's flag reads and releases
+  // Host staging of the watchdog's flag reads/writes (pageable: cudaMallocHost/cudaFreeHost may
+  // wait for the whole device, which must not happen while ranks of this process wait on each other).
+  std::vector<FlagWord> staging;
+  NetOutbox mailbox_staging{};
+  bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
+  std::vector<cudaStream_t> streams_used;
+
+  bool stats_enabled = false;
+  std::vector<KernelTiming> timings;
+  Stats stats;
+
+  // Shared with the watchdog thread, under `mutex`.
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::deque<PendingWait> pending;
+  std::vector<cudaEvent_t> free_events;
+  uint64_t next_wait_id = 0;
+  bool stop = false;
+  std::exception_ptr error;     // TimeoutError / DesyncError / SystemError
+  std::atomic<bool> failed{false};
+  std::atomic<bool> watchdog_dead{false};  // it hit a CUDA error and can no longer drain
+  std::thread watchdog;
+
+  Impl(CudaWindow& w, void* s, std::chrono::milliseconds t, NcclComm* n);
+
+  // ---- Events, streams, errors, stats (cuda_executor.cpp; caller's thread). ----
+  cudaEvent_t take_event();
+  void recycle_events(const std::vector<cudaEvent_t>& events);
+  void use_stream(cudaStream_t s);
+  PendingWait new_wait(PendingWait::Kind kind, uint64_t epoch, uint64_t tag, int peer, Phase phase);
+  void watch(PendingWait&& record);  // hands a wait whose events are enqueued to the watchdog
+  void throw_if_failed();
+  void wait_stream(cudaStream_t s);
+  void collect_timings();
+
+  template <class Launch>
+  void launch_timed(KernelKind kind, cudaStream_t on, Launch&& launch) {
+    cudaEvent_t start = nullptr, end = nullptr;
+    if (stats_enabled) {
+      TIDE_CUDA_CHECK(cudaEventCreate(&start));
+      TIDE_CUDA_CHECK(cudaEventCreate(&end));
+      TIDE_CUDA_CHECK(cudaEventRecord(start, on));
+    }
+    const cuda_kernels::LaunchInfo info = launch();
+    stats.kernel_launches += info.launches;
+    if (stats_enabled) {
+      TIDE_CUDA_CHECK(cudaEventRecord(end, on));
+      timings.push_back({start, end, info.max_ctas, kind});
+    }
+  }
+
+  // ---- Lowering (lowering.cpp). ----
+  void enqueue_program(const Program& program, const Bindings& bindings, uint64_t epoch,
+                       uint64_t tag);
+  // Steps from `first` on that join one cast batch / one reduce kernel; return the next step.
+  std::size_t enqueue_casts(const std::vector<Step>& steps, std::size_t first,
+                            const Resolve& resolve, const std::function<bool(std::size_t)>& batchable);
+  std::size_t enqueue_reduces(const std::vector<Step>& steps, std::size_t first,
+                              const Resolve& resolve,
+                              const std::function<bool(std::size_t)>& batchable);
+  void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
+                      std::vector<std::size_t>& sizes);
+  void enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag);
+  void enqueue_signal(const SignalOp& signal, uint64_t epoch, uint64_t tag);
+  cudaEvent_t issue_group(const net::NetGroup& group, const Program& program,
+                          const Resolve& resolve, uint64_t epoch, uint64_t tag, Phase phase);
+
+  // ---- NCCL transport (nccl_transport.cpp). ----
+  void issue_nccl_group(const net::NetGroup& group, const Program& program,
+                        const Resolve& resolve, uint64_t epoch, uint64_t tag, Phase phase);
+  std::exception_ptr diagnose_nccl_group(const PendingWait& w);
+
+  // ---- CUDA IPC transport (ipc_transport.cpp). ----
+  void issue_ipc_group(const net::NetGroup& group, const Program& program,
+                       const Resolve& resolve, uint64_t epoch, uint64_t tag, Phase phase);
+  void enqueue_mailbox_wait(cudaStream_t on, const NetOutbox* mailbox, int channel,
+                            std::vector<MailboxWord> words, std::string what, int peer,
+                            uint64_t seq, std::size_t bytes, uint64_t epoch, uint64_t tag,
+                            Phase phase);
+  void write_word(cudaStream_t on, uint64_t* word, uint64_t value);
+  std::exception_ptr diagnose_mailbox(const PendingWait& w);
+  void release_mailbox_wait(const PendingWait& w);
+
+  // ---- Watchdog thread (watchdog.cpp). ----
+  void watchdog_loop();
+  void store_error(std::exception_ptr e);
+  FlagWord read_flag(const FlagWord* flag);
+  void write_flags(FlagWord* flags, std::size_t count, uint64_t tag);
+  std::exception_ptr diagnose_flag_wait(const PendingWait& w, const FlagWord& seen);
+};
+
+}  // namespace tide

@@ -1,0 +1,269 @@
+// The CUDA executor's lowering: a program's steps -> operations on the compute stream.
+//
+//   CopyBatch  -> cudaMemcpyBatchAsync (copy engines preferred, source in stream order);
+//                 one cudaMemcpyAsync per copy where batches are unavailable.
+//   CastOp     -> equal types: a batched copy + cudaMemsetAsync of the pad (no kernel);
+//                 otherwise one cast kernel for all consecutive CastOps.
+//   SignalOp   -> cuStreamWriteValue64 of the tag, then of the epoch, into the peer's FlagWord (each
+//                 write is preceded by a memory barrier: the data before it is visible first).
+//   WaitOp     -> cuStreamWaitValue64(epoch >= e), then cuStreamWaitValue64(tag == t): a peer that
+//                 runs another collective blocks the stream instead of feeding it wrong data, and
+//                 the watchdog reports DesyncError.
+//   ReduceOp   -> one reduce kernel for consecutive ReduceOps with as many sources each, none
+//                 reading or writing what an earlier one of the kernel writes.
+//   NetSendOp/NetRecvOp -> grouped on a network stream, as the group schedule
+//                 (src/executor/net/group_schedule.hpp) says: issued after the stream reaches the
+//                 group's last op, waited for only by steps that touch its bytes; over NCCL
+//                 (nccl_transport.cpp) or, without a communicator on a CudaReach::kHost window,
+//                 over CUDA IPC (ipc_transport.cpp).
+#include <cstdlib>
+#include <variant>
+
+#include "cuda_executor_impl.hpp"
+#include "executor/resolve.hpp"
+#include "tide/error.hpp"
+
+namespace tide {
+
+using namespace cuda_executor_detail;
+
+void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings& bindings,
+                                         uint64_t epoch, uint64_t tag) {
+  const Resolve resolve = [&](const Address& a) {
+    return detail::resolve_address(a, bindings, [&](int r) { return window.data(r); });
+  };
+
+  const std::vector<Step>& steps = program.steps;
+  bool has_net = false;
+  for (const Step& step : steps)
+    has_net |= std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op);
+  net::GroupSchedule schedule;
+  if (has_net) {
+    schedule = net::schedule_groups(program);
+    if (!net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&net_ready, cudaEventDisableTiming));
+  }
+  // Issues and waits the schedule asks for before step i (i == steps.size(): the end).
+  std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
+  auto network_actions = [&](std::size_t i) {
+    if (!has_net) return;
+    for (int g : schedule.issue_before[i])
+      group_done.push_back(issue_group(schedule.groups[g], program, resolve, epoch, tag,
+                                       steps[schedule.groups[g].ops.back()].phase));
+    if (schedule.wait_before[i] >= 0)
+      TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, group_done[schedule.wait_before[i]], 0));
+  };
+  // Whether step j may join a kernel batch started earlier: no network action falls between.
+  const std::function<bool(std::size_t)> batchable = [&](std::size_t j) {
+    return !has_net || (schedule.issue_before[j].empty() && schedule.wait_before[j] < 0);
+  };
+
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<std::size_t> sizes;
+  for (std::size_t i = 0; i < steps.size();) {
+    network_actions(i);
+    const Step& step = steps[i];
+    if (std::holds_alternative<CastOp>(step.op)) {
+      i = enqueue_casts(steps, i, resolve, batchable);
+    } else if (std::holds_alternative<ReduceOp>(step.op)) {
+      i = enqueue_reduces(steps, i, resolve, batchable);
+    } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
+      dsts.clear(), srcs.clear(), sizes.clear();
+      for (const CopyOp& c : batch->copies) {
+        if (c.bytes == 0) continue;
+        dsts.push_back(resolve(c.dst));
+        srcs.push_back(resolve(c.src));
+        sizes.push_back(c.bytes);
+      }
+      enqueue_copies(dsts, srcs, sizes);
+      ++i;
+    } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
+      enqueue_signal(*signal, epoch, tag);
+      ++i;
+    } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
+      enqueue_wait(*wait, step.phase, epoch, tag);
+      ++i;
+    } else {
+      // NetSendOp / NetRecvOp: issued with their group (network_actions); the group waits for
+      // the compute stream to get here.
+      TIDE_CUDA_CHECK(cudaEventRecord(net_ready, stream));
+      ++i;
+    }
+  }
+  network_actions(steps.size());
+  recycle_events(group_done);  // every wait on them is enqueued (waits capture the record)
+}
+
+// Consecutive casts write disjoint slots: same-type ones become one copy batch (+ memsets of their
+// pads), the rest one kernel.
+std::size_t CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size_t first,
+                                              const Resolve& resolve,
+                                              const std::function<bool(std::size_t)>& batchable) {
+  std::vector<cuda_kernels::CastSpec> casts;
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<std::size_t> sizes;
+  std::size_t i = first;
+  for (; i < steps.size() && std::holds_alternative<CastOp>(steps[i].op) && (i == first || batchable(i));
+       ++i) {
+    const CastOp& cast = std::get<CastOp>(steps[i].op);
+    std::byte* dst = resolve(cast.dst);
+    const std::size_t dst_size = dtype_size(cast.dst_dtype);
+    if (cast.src_dtype == cast.dst_dtype) {
+      if (cast.count > 0) {
+        dsts.push_back(dst);
+        srcs.push_back(resolve(cast.src));
+        sizes.push_back(static_cast<std::size_t>(cast.count) * dst_size);
+      }
+      if (cast.pad > 0)
+        TIDE_CUDA_CHECK(cudaMemsetAsync(dst + cast.count * dst_size, 0, cast.pad * dst_size, stream));
+    } else {
+      casts.push_back({cast.count > 0 ? resolve(cast.src) : nullptr, dst, cast.count, cast.pad,
+                       element_type(cast.src_dtype), element_type(cast.dst_dtype)});
+    }
+  }
+  enqueue_copies(dsts, srcs, sizes);
+  if (!casts.empty())
+    launch_timed(KernelKind::kCast, stream, [&] {
+      return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, stream);
+    });
+  return i;
+}
+
+// One kernel for consecutive reduces with as many sources each, as long as none touches what an
+// earlier one in the kernel writes (a multi-node ring step sums the partial it just reduced) or
+// writes what an earlier one reads.
+std::size_t CudaExecutor::Impl::enqueue_reduces(const std::vector<Step>& steps, std::size_t first,
+                                                const Resolve& resolve,
+                                                const std::function<bool(std::size_t)>& batchable) {
+  const std::size_t num_sources = std::get<ReduceOp>(steps[first].op).sources.size();
+  std::vector<const void*> sources;  // num_sources per reduce, filled first: specs point into it
+  std::vector<Span> reads, writes;
+  std::vector<std::size_t> batch;
+  std::size_t i = first;
+  for (; i < steps.size() && std::holds_alternative<ReduceOp>(steps[i].op); ++i) {
+    const ReduceOp& reduce = std::get<ReduceOp>(steps[i].op);
+    if (!batch.empty() && (reduce.sources.size() != num_sources || !batchable(i))) break;
+    const std::size_t in_bytes = static_cast<std::size_t>(reduce.count) * dtype_size(reduce.src_dtype);
+    const std::byte* out = resolve(reduce.dst);
+    const Span written{out, out + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.dst_dtype)};
+    bool depends = false;
+    for (const Span& w : writes) depends |= w.overlaps(written);
+    for (const Span& r : reads) depends |= r.overlaps(written);
+    std::vector<Span> read_here;
+    for (const Address& a : reduce.sources) {
+      const std::byte* src = resolve(a);
+      read_here.push_back({src, src + in_bytes});
+    }
+    if (reduce.partial) {
+      const std::byte* partial = resolve(*reduce.partial);
+      read_here.push_back(
+          {partial, partial + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.partial_dtype)});
+    }
+    for (const Span& r : read_here)
+      for (const Span& w : writes) depends |= w.overlaps(r);
+    if (!batch.empty() && depends) break;
+    for (const Address& a : reduce.sources) sources.push_back(resolve(a));
+    reads.insert(reads.end(), read_here.begin(), read_here.end());
+    writes.push_back(written);
+    batch.push_back(i);
+  }
+  std::vector<cuda_kernels::ReduceSpec> reduces;
+  for (std::size_t k = 0; k < batch.size(); ++k) {
+    const ReduceOp& reduce = std::get<ReduceOp>(steps[batch[k]].op);
+    const void* partial = reduce.partial ? resolve(*reduce.partial) : nullptr;
+    reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), partial, reduce.count,
+                       reduce.prescale, reduce.scale, reduce.accumulate,
+                       element_type(reduce.src_dtype), element_type(reduce.dst_dtype),
+                       element_type(reduce.partial_dtype)});
+  }
+  launch_timed(KernelKind::kReduce, stream, [&] {
+    return cuda_kernels::launch_reduces(reduces.data(), reduces.size(),
+                                        static_cast<int>(num_sources), 0, stream);
+  });
+  return i;
+}
+
+void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
+                                        std::vector<std::size_t>& sizes) {
+  if (dsts.empty()) return;
+  stats.copies += static_cast<int>(dsts.size());
+#if CUDART_VERSION >= 12080
+  if (batch_copies && stream != nullptr && stream != cudaStreamLegacy) {
+    cudaMemcpyAttributes attributes{};
+    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // keep SMs free: copy engines
+    std::size_t attribute_index = 0;
+#if CUDART_VERSION >= 13000
+    const cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                                    dsts.size(), &attributes, &attribute_index,
+                                                    1, stream);
+#else
+    std::size_t fail_index = 0;
+    const cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                                    dsts.size(), &attributes, &attribute_index,
+                                                    1, &fail_index, stream);
+#endif
+    if (status == cudaSuccess) return;
+    // Unsupported here (driver, stream kind): fall back for good. A real addressing error
+    // shows up again, with its own message, in cudaMemcpyAsync below.
+    (void)cudaGetLastError();
+    batch_copies = false;
+  }
+#endif
+  for (std::size_t i = 0; i < dsts.size(); ++i)
+    TIDE_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream));
+  stats.single_copy_calls += static_cast<int>(dsts.size());
+}
+
+void CudaExecutor::Impl::enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag) {
+  const int rank = window.rank();
+  FlagWord* flag = window.flags(rank) + flag_index(wait.kind, wait.peer, window.world());
+  PendingWait record = new_wait(PendingWait::Kind::kFlag, epoch, tag, wait.peer, phase);
+  record.flag = flag, record.flag_kind = wait.kind;
+  TIDE_CUDA_CHECK(cudaEventRecord(record.before, stream));
+  TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch), epoch,
+                                        CU_STREAM_WAIT_VALUE_GEQ));
+  TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->tag), tag,
+                                        CU_STREAM_WAIT_VALUE_EQ));
+  TIDE_CUDA_CHECK(cudaEventRecord(record.after, stream));
+  watch(std::move(record));
+}
+
+void CudaExecutor::Impl::enqueue_signal(const SignalOp& signal, uint64_t epoch, uint64_t tag) {
+  FlagWord* flag =
+      window.flags(signal.peer) + flag_index(signal.kind, window.rank(), window.world());
+  TIDE_CU_CHECK(api.stream_write_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->tag), tag,
+                                         CU_STREAM_WRITE_VALUE_DEFAULT));
+  TIDE_CU_CHECK(api.stream_write_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch),
+                                         epoch, CU_STREAM_WRITE_VALUE_DEFAULT));
+}
+
+// Enqueues a group's sends and receives on the network stream after the compute stream's
+// position recorded in net_ready: over NCCL if the executor has a communicator, else over CUDA
+// IPC. Returns an event recorded after it, the caller's (its compute stream may wait on it; give
+// it back with recycle_events once every cudaStreamWaitEvent on it is enqueued). The watchdog's
+// events are separate: it recycles them as soon as they complete, which must not re-record an
+// event a later wait still refers to.
+cudaEvent_t CudaExecutor::Impl::issue_group(const net::NetGroup& group, const Program& program,
+                                            const Resolve& resolve, uint64_t epoch,
+                                            uint64_t tag, Phase phase) {
+  if (!net_stream) TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&net_stream, cudaStreamNonBlocking));
+  use_stream(net_stream);
+  TIDE_CUDA_CHECK(cudaStreamWaitEvent(net_stream, net_ready, 0));
+  cudaEvent_t done = take_event();
+  try {
+    if (network)
+      issue_nccl_group(group, program, resolve, epoch, tag, phase);
+    else
+      issue_ipc_group(group, program, resolve, epoch, tag, phase);
+    TIDE_CUDA_CHECK(cudaEventRecord(done, net_stream));
+  } catch (...) {
+    recycle_events({done});
+    throw;
+  }
+  ++stats.network_groups;
+  return done;
+}
+
+}  // namespace tide

@@ -1,0 +1,124 @@
+// The CUDA executor's watchdog: one host thread per executor looks at the oldest wait not yet
+// passed; once its "before" event has completed but its "after" has not for longer than the
+// timeout, it reads the flag on a side stream, stores TimeoutError (or DesyncError when the epoch
+// arrived with another program's tag) naming rank, peer, bucket, phase and epoch, and releases the
+// stuck wait by writing the awaited values into the flag, and so every later stuck wait of this
+// executor, so the stream drains and nothing hangs. synchronize() and run() then throw the error.
+// Network waits are diagnosed and released by their transport (nccl_transport.cpp: abort the
+// communicator; ipc_transport.cpp: write the awaited mailbox words).
+#include <thread>
+
+#include "cuda_executor_impl.hpp"
+#include "tide/error.hpp"
+
+namespace tide {
+
+using namespace cuda_executor_detail;
+
+void CudaExecutor::Impl::store_error(std::exception_ptr e) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!error) error = e;
+  failed = true;
+}
+
+FlagWord CudaExecutor::Impl::read_flag(const FlagWord* flag) {
+  TIDE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), flag, sizeof(FlagWord), cudaMemcpyDeviceToHost,
+                                  side_stream));
+  TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
+  return staging[0];
+}
+
+void CudaExecutor::Impl::write_flags(FlagWord* flags, std::size_t count, uint64_t tag) {
+  for (std::size_t i = 0; i < count; ++i) staging[i] = FlagWord{kReleaseEpoch, tag};
+  TIDE_CUDA_CHECK(cudaMemcpyAsync(flags, staging.data(), count * sizeof(FlagWord),
+                                  cudaMemcpyHostToDevice, side_stream));
+  TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
+}
+
+std::exception_ptr CudaExecutor::Impl::diagnose_flag_wait(const PendingWait& w, const FlagWord& seen) {
+  const int rank = window.rank();
+  const bool epoch_arrived = static_cast<int64_t>(seen.epoch - w.epoch) >= 0;
+  if (epoch_arrived) {
+    return std::make_exception_ptr(DesyncError(detail::concat(
+        "rank ", rank, " runs ", describe_tag(w.tag), " at epoch ", w.epoch, " (phase ",
+        phase_name(w.phase), ") but rank ", w.peer, " signalled ", describe_tag(seen.tag),
+        " at epoch ", seen.epoch, ": the ranks called collectives in different orders")));
+  }
+  return std::make_exception_ptr(TimeoutError(detail::concat(
+      "rank ", rank, ": timed out after ", timeout.count(), " ms waiting for ",
+      flag_kind_name(w.flag_kind), " from rank ", w.peer, " (", describe_tag(w.tag), ", phase ",
+      phase_name(w.phase), ", epoch ", w.epoch, ") on the GPU; last signal from rank ", w.peer,
+      ": ",
+      seen.epoch == 0 ? std::string("none")
+                      : detail::concat("epoch ", seen.epoch, ", ", describe_tag(seen.tag)),
+      ". The peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is "
+      "only slow)")));
+}
+
+void CudaExecutor::Impl::watchdog_loop() {
+  try {
+    TIDE_CUDA_CHECK(cudaSetDevice(window.device()));
+    uint64_t stuck_id = UINT64_MAX;
+    Clock::time_point stuck_since{};
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+      if (pending.empty()) {
+        if (stop) return;
+        wake.wait(lock);
+        continue;
+      }
+      const PendingWait w = pending.front();
+      lock.unlock();
+      const cudaError_t after = cudaEventQuery(w.after);
+      if (after == cudaSuccess) {
+        lock.lock();
+        pending.pop_front();
+        free_events.push_back(w.before);
+        free_events.push_back(w.after);
+        continue;
+      }
+      if (after != cudaErrorNotReady) TIDE_CUDA_CHECK(after);
+      const cudaError_t before = cudaEventQuery(w.before);
+      if (before != cudaSuccess && before != cudaErrorNotReady) TIDE_CUDA_CHECK(before);
+      bool draining = failed.load();
+      if (before == cudaSuccess) {
+        const Clock::time_point now = Clock::now();
+        if (stuck_id != w.id) stuck_id = w.id, stuck_since = now;
+        const bool timed_out = !draining && now - stuck_since >= timeout;
+        if (timed_out) {
+          store_error(w.kind == PendingWait::Kind::kNccl      ? diagnose_nccl_group(w)
+                      : w.kind == PendingWait::Kind::kMailbox ? diagnose_mailbox(w)
+                                                              : diagnose_flag_wait(w, read_flag(w.flag)));
+          // Release every own flag at once (this program's remaining waits pass quickly);
+          // waits of later programs, or flags a live peer overwrites, are released one by one.
+          write_flags(window.flags(window.rank()), kNumFlagKinds * window.world(), w.tag);
+          draining = true;
+        }
+        if (draining) {
+          if (w.kind == PendingWait::Kind::kNccl) {  // NCCL can only be released by an abort
+            if (!network->aborted()) {
+              std::lock_guard<std::mutex> net_lock(net_mutex);
+              network->abort();
+            }
+          } else if (w.kind == PendingWait::Kind::kMailbox) {
+            release_mailbox_wait(w);
+          } else if (!timed_out) {
+            write_flags(w.flag, 1, w.tag);
+          }
+        }
+      }
+      std::this_thread::sleep_for(draining ? std::chrono::microseconds(100)
+                                            : std::chrono::microseconds(1000));
+      lock.lock();
+    }
+  } catch (...) {
+    // A CUDA error here (the context is broken): report it and stop; wait_stream() and
+    // throw_if_failed() see watchdog_dead and throw instead of waiting for a drain.
+    store_error(std::current_exception());
+    watchdog_dead = true;
+    std::lock_guard<std::mutex> lock(mutex);
+    pending.clear();
+  }
+}
+
+}  // namespace tide
