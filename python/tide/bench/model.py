@@ -369,7 +369,7 @@ class WanConfig(_ConfigBase):
 
     def loss(self, model, batch: tuple):
         latents, timesteps, context, target = batch
-        return F.mse_loss(model(latents, timesteps, context), target)
+        return F.mse_loss(model(latents, timesteps, context), target.flatten(0, 1))
 
 
 def _layer_norm(x):
@@ -426,7 +426,9 @@ class WanModel(_LayerUnits, nn.Module):
         for layer in self.layers:
             x = layer(x, e6, context)
         shift, scale = (self.head_modulation + e.unsqueeze(1)).chunk(2, dim=1)
-        return self.head(_layer_norm(x) * (1 + scale) + shift).float()
+        x = (_layer_norm(x) * (1 + scale) + shift).flatten(0, 1)
+        # [batch * seq, patch_in]: a 2-D head output is no view (FSDP2 warns about returned views)
+        return self.head(x).float()
 
 
 PRESETS = {
