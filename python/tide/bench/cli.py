@@ -140,6 +140,8 @@ def _fsdp(args, parser, device) -> int:
                   "param_groups", "ranks_share_gpus"):
             out[k] = runs[0][k]
         out["tide_window_mib"] = max(r["tide_window_mib"] for r in runs)
+        pss = [r.get("peak_pss_mib") for r in runs]
+        out["peak_pss_mib"] = max(pss) if all(v is not None for v in pss) else None  # the largest rank
         sm = [r["sm_cta_us"] for r in runs if r.get("sm_cta_us") is not None]
         out["sm_cta_us"] = sum(sm) / len(sm) if sm else None  # per rank, averaged
         return out

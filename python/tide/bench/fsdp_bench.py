@@ -135,6 +135,45 @@ def _in_place_gloo_reduce_scatter():
         cls.__call__ = saved
 
 
+class PssSampler:
+    """CPU: this process's peak proportional set size, sampled from /proc/self/smaps_rollup every
+    `interval` s on a thread. Peak RSS counts every shared-memory page this rank touched in full,
+    its peers' TIDE windows included (the host transport reads them in place), so the ranks' RSS
+    figures add up to more than the host holds; PSS splits a shared page among the processes that
+    map it, so the ranks' PSS adds up to the physical memory. Sampled: a peak shorter than the
+    interval can be missed."""
+
+    def __init__(self, interval: float = 0.5):
+        import threading
+        self.interval, self.peak_kib = interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        try:
+            with open("/proc/self/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        self.peak_kib = max(self.peak_kib, int(line.split()[1]))
+                        return
+        except OSError:
+            pass
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
 def _build(cfg, device: str, mp: str, world: int, expert_shard_dim: int = 0):
     """cfg.build() on `device`, fully_shard on each of the model's FSDP units (inner first: its
     layers, and an MoE's experts with their shard placement), then on the root."""
@@ -167,9 +206,11 @@ def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
     device = opts["device"]
     shared_gpus = device == "cuda" and dist.get_backend() == "gloo"  # see launch.backend_for
     with contextlib.ExitStack() as stack:
+        pss = stack.enter_context(PssSampler()) if device == "cpu" else None
         if shared_gpus:  # stock's groups; under TIDE, the groups that fall back (TIDE's own never use it)
             stack.enter_context(_in_place_gloo_reduce_scatter())
         result = _train(rank, mode, cfg, device, world, opts)
+    result["peak_pss_mib"] = pss.peak_kib / 1024 if pss is not None and pss.peak_kib else None
     result["ranks_share_gpus"] = shared_gpus
     return result
 

@@ -31,6 +31,8 @@ def fsdp_table(summary: dict) -> str:
     row("time in collectives (ms)", "collectives_ms", "{:.2f}")
     row("layout-conversion copies (MiB)", "layout_copy_mib", "{:.2f}")
     row(f"peak memory (MiB, {s['peak_memory_kind']})", "peak_memory_mib", "{:.1f}")
+    if s.get("peak_pss_mib") and t.get("peak_pss_mib"):  # CPU: RSS counts peers' shared windows too
+        row("peak memory (MiB, sampled PSS)", "peak_pss_mib", "{:.1f}")
     lines.append(f"{'TIDE window pool (MiB)':<34} {'-':>14} {t['tide_window_mib']:>14.2f}")
     if summary["device"] == "cuda":  # the pool is outside PyTorch's allocator: the honest total
         a, b = s["peak_memory_mib"], t["peak_memory_mib"] + t["tide_window_mib"]
