@@ -1,10 +1,14 @@
-"""tide-bench: clear argument errors; a short CPU run whose JSON has every field and whose plots exist."""
+"""tide-bench: clear argument errors; a short CPU run whose JSON has every field and whose plots exist;
+the MoE and DiT models, TIDE vs stock, with experts sharded on dim 0 and (fallback, named) dim 1."""
 
+import dataclasses
 import json
 
 import pytest
+import torch
 
 from tide.bench import cli
+from tide.bench.model import PRESETS, MoE
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -15,6 +19,10 @@ from tide.bench import cli
     (["fsdp", "--layers", "0"], "--layers 0: expected a positive integer"),
     (["fsdp", "--ranks-per-node", "0"], "--ranks-per-node 0: expected a positive integer"),
     (["fsdp", "--model", "huge"], "invalid choice: 'huge'"),
+    (["fsdp", "--expert-shard-dim", "2"], "invalid choice: 2"),
+    (["fsdp", "--model", "tiny", "--expert-shard-dim", "1"], "model tiny has no expert tensors"),
+    (["fsdp", "--model", "qwen3-moe-tiny", "--expert-shard-dim", "1", "--world", "3"],
+     "dim 64 is not divisible by --world 3"),
     (["collectives", "--min-bytes", "100", "--max-bytes", "10"], "--min-bytes 100 > --max-bytes 10"),
     (["interference", "--device", "cpu"], "interference needs a CUDA GPU"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -76,3 +84,92 @@ def test_collectives_cpu_sweep_checks_every_row(tmp_path, capsys):
         ("AG", 65536), ("RS", 65536), ("AG", 262144), ("RS", 262144)]
     assert all(r["check"] for r in rows)
     assert "busbw" in capsys.readouterr().out
+
+
+def _fsdp_json(tmp_path, *argv):
+    out = tmp_path / "fsdp.json"
+    assert cli.main(["fsdp", "--device", "cpu", "--world", "2", "--steps", "2", "--warmup", "0",
+                     "--seq", "16", "--json", str(out), "--no-progress", *argv]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("model, groups", [("qwen3-moe-tiny", 5), ("wan-tiny", 3)])
+def test_fsdp_cpu_moe_and_dit_models_are_handled_and_bitwise(model, groups, tmp_path, capsys):
+    """qwen3-moe-tiny: per layer, its experts and the rest of the layer, then the root (2 x 2 + 1);
+    wan-tiny: 2 DiT blocks + the root. TIDE handles every group; W = 2, fp32: bitwise."""
+    data = _fsdp_json(tmp_path, "--model", model)
+    text = capsys.readouterr().out
+    assert f"TIDE handled {groups} of {groups} param groups" in text
+    t = data["tide"]
+    assert t["param_groups"] == groups and t["tide_buckets"] == groups
+    assert t["tide_fallbacks"] == [] and t["tide_fallback_groups"] == []
+    assert data["stock"]["layout_copy_mib"] > 0 and t["layout_copy_mib"] == 0
+    assert data["max_abs_diff"] == 0.0
+    assert data["family"] == PRESETS[model].family and data["expert_shard_dim"] == 0
+
+
+def test_fsdp_cpu_moe_experts_on_dim_1_fall_back_by_name(tmp_path, capsys):
+    """--expert-shard-dim 1: each layer's experts group is sharded on dim 1, which TIDE does not take
+    yet: those groups run stock FSDP2 and are named with the reason; the other groups stay TIDE's;
+    the result is still bitwise stock's, and the copies the fallback groups make are counted."""
+    data = _fsdp_json(tmp_path, "--model", "qwen3-moe-tiny", "--expert-shard-dim", "1")
+    text = capsys.readouterr().out
+    s, t = data["stock"], data["tide"]
+    assert t["param_groups"] == 5 and t["tide_buckets"] == 3
+    assert [path for path, _ in t["tide_fallback_groups"]] == ["layers.0.moe.experts", "layers.1.moe.experts"]
+    for path, reason in t["tide_fallback_groups"]:
+        assert "sharded on dim 1" in reason, reason
+        assert f"fell back: {path}: {reason}" in text
+    assert "TIDE handled 3 of 5 param groups; fell back for 2" in text
+    assert "experts sharded on dim 1" in text
+    assert data["max_abs_diff"] == 0.0
+    # stock re-lays the dim-1 experts out with cats (counted); under TIDE the fallback groups still do
+    assert s["shard_dim_copy_mib"] > 0 and t["shard_dim_copy_mib"] == s["shard_dim_copy_mib"]
+    assert 0 < t["layout_copy_mib"] < s["layout_copy_mib"]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_params_match_the_built_model(name):
+    with torch.device("meta"):
+        model = PRESETS[name].build()
+    assert sum(p.numel() for p in model.parameters()) == PRESETS[name].params()
+
+
+@pytest.mark.parametrize("cfg, fragment", [
+    (dataclasses.replace(PRESETS["qwen3-moe-tiny"], top_k=9), "top_k 9 > experts 8"),
+    (dataclasses.replace(PRESETS["qwen3-moe-tiny"], kv_heads=3), "heads 4, kv_heads 3"),
+    (dataclasses.replace(PRESETS["qwen3-moe-tiny"], experts=0), "Qwen3MoeConfig: experts = 0, expected >= 1"),
+    (dataclasses.replace(PRESETS["wan-tiny"], heads=5), "WanConfig: dim 64, heads 5"),
+    (dataclasses.replace(PRESETS["wan-tiny"], freq_dim=33), "freq_dim 33: expected even"),
+    (dataclasses.replace(PRESETS["wan-tiny"], text_len=0), "WanConfig: text_len = 0, expected >= 1"),
+])
+def test_config_errors_are_clear(cfg, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        cfg.validate()
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        cfg.build()
+
+
+def test_moe_routes_each_token_to_its_top_k_experts():
+    """The permuted grouped computation equals a per-token loop over the chosen experts, forward
+    and backward."""
+    torch.manual_seed(0)
+    cfg = PRESETS["qwen3-moe-tiny"]
+    moe = MoE(cfg).double()
+    x = torch.randn(2, 5, cfg.dim, dtype=torch.float64, requires_grad=True)
+    y = moe(x)
+    ref = []
+    for tok in x.reshape(-1, cfg.dim):
+        probs = torch.softmax(moe.router(tok), -1)
+        w, idx = probs.topk(cfg.top_k)
+        w = w / w.sum()
+        e = moe.experts
+        ref.append(sum(wi * ((torch.nn.functional.silu(tok @ e.w1[i]) * (tok @ e.w3[i])) @ e.w2[i])
+                       for wi, i in zip(w, idx.tolist())))
+    ref = torch.stack(ref).view_as(y)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, moe.experts.w1, moe.router.weight], g)
+    refs = torch.autograd.grad(ref, [x, moe.experts.w1, moe.router.weight], g)
+    for a, b in zip(grads, refs):
+        torch.testing.assert_close(a, b)

@@ -1,6 +1,7 @@
 """tide-bench: what TIDE does on this machine, stock FSDP2 vs TIDE side by side.
 
-  tide-bench fsdp         train the embedded Llama-style model with stock FSDP2 and with TIDE
+  tide-bench fsdp         train an embedded model (Llama-style, Qwen3-MoE-style, Wan-style DiT)
+                          with stock FSDP2 and with TIDE
   tide-bench collectives  AG / RS size sweep, TIDE vs the stock path (copy-in + collective + copy-out)
   tide-bench interference a one-wave GEMM alone and beside each reduce-scatter (needs a GPU)
   tide-bench host-cost    host time per step in FSDP2's communication path, stock vs TIDE (GPU)
@@ -48,9 +49,15 @@ def _parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fsdp", parents=[common], help="train with stock FSDP2 and with TIDE")
     f.add_argument("--model", choices=sorted(PRESETS), default=None,
-                   help="embedded model (default: cpu on CPU, 8b-layers on GPUs)")
+                   help="embedded model (default: cpu on CPU, 8b-layers on GPUs). Llama-style: tiny, "
+                        "cpu, 8b-layers, 70b-layers; Qwen3-30B-A3B-style MoE: qwen3-moe-layers, "
+                        "qwen3-moe-tiny; Wan2.2-14B-style DiT: wan-layers, wan-tiny")
     f.add_argument("--layers", type=_positive("layers"), default=None,
-                   help="decoder layers (default: the model's)")
+                   help="decoder layers / DiT blocks (default: the model's)")
+    f.add_argument("--expert-shard-dim", type=int, choices=(0, 1), default=0,
+                   help="MoE models: the dim FSDP2 shards the grouped expert tensors on (1: "
+                        "torchtitan's shard_placement_fn when the FSDP degree exceeds the expert "
+                        "count; each layer's experts are their own param group either way)")
     f.add_argument("--steps", type=_positive("steps"), default=5)
     f.add_argument("--warmup", type=int, default=1)
     f.add_argument("--batch", type=_positive("batch"), default=4)
@@ -109,6 +116,11 @@ def _fsdp(args, parser, device) -> int:
     cfg = PRESETS[model_name]
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, layers=args.layers)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        parser.error(f"--model {model_name}: {e}")
+    _check_expert_sharding(args, parser, model_name, cfg)
     if not under_torchrun():
         _refuse_fallback_configuration(args, parser, device)
     _require_matplotlib(args, parser)
@@ -116,12 +128,12 @@ def _fsdp(args, parser, device) -> int:
     opts = {"device": device, "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
             "ranks_per_node": args.ranks_per_node, "chunk_bytes": args.chunk_mib * MIB,
             "wire_dtype": args.wire_dtype,
-            "network": args.network,
+            "network": args.network, "expert_shard_dim": args.expert_shard_dim,
             "seq": args.seq, "progress": not args.no_progress}
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
           f"mp {mp}, {args.world} ranks", file=sys.stderr)
-    stock = _launch(args, device, run_mode, "stock", cfg.as_dict(), opts)
-    tide_runs = _launch(args, device, run_mode, "tide", cfg.as_dict(), opts)
+    stock = _launch(args, device, run_mode, "stock", cfg, opts)
+    tide_runs = _launch(args, device, run_mode, "tide", cfg, opts)
     if stock is None:  # a torchrun rank other than 0
         return 0
 
@@ -129,14 +141,19 @@ def _fsdp(args, parser, device) -> int:
         keys = ("step_ms", "collectives_ms", "peak_memory_mib")
         out = {k: max(r[k] for r in runs) for k in keys}  # the slowest / largest rank
         out["layout_copy_mib"] = runs[0]["layout_copy_bytes"] / MIB
-        for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "ranks_share_gpus"):
+        out["shard_dim_copy_mib"] = runs[0]["shard_dim_copy_bytes"] / MIB
+        for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_fallback_groups",
+                  "param_groups", "ranks_share_gpus"):
             out[k] = runs[0][k]
         out["tide_window_mib"] = max(r["tide_window_mib"] for r in runs)
+        pss = [r.get("peak_pss_mib") for r in runs]
+        out["peak_pss_mib"] = max(pss) if all(v is not None for v in pss) else None  # the largest rank
         sm = [r["sm_cta_us"] for r in runs if r.get("sm_cta_us") is not None]
         out["sm_cta_us"] = sum(sm) / len(sm) if sm else None  # per rank, averaged
         return out
 
-    summary = {"model": model_name, "config": cfg.as_dict(), "world": len(stock), "device": device,
+    summary = {"model": model_name, "family": cfg.family, "config": cfg.as_dict(), "params": cfg.params(),
+               "expert_shard_dim": args.expert_shard_dim, "world": len(stock), "device": device,
                "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
                "ranks_per_node": args.ranks_per_node, "network": args.network,
                "chunk_mib": args.chunk_mib, "wire_dtype": args.wire_dtype,
@@ -149,6 +166,19 @@ def _fsdp(args, parser, device) -> int:
         for path in report.fsdp_plots(summary, args.plot_dir):
             print(f"plot: {path}")
     return 0
+
+
+def _check_expert_sharding(args, parser, model_name, cfg) -> None:
+    if args.expert_shard_dim == 0:
+        return
+    if not hasattr(cfg, "experts"):
+        parser.error(f"--expert-shard-dim {args.expert_shard_dim}: model {model_name} has no expert "
+                     "tensors (the MoE models: qwen3-moe-layers, qwen3-moe-tiny)")
+    # FSDP2 shards dims > 0 evenly only: w1/w3 [E, dim, hidden] on dim, w2 [E, hidden, dim] on hidden
+    for name in ("dim", "expert_hidden"):
+        if getattr(cfg, name) % args.world:
+            parser.error(f"--expert-shard-dim 1: FSDP2 shards dim 1 evenly only, and {model_name}'s "
+                         f"{name} {getattr(cfg, name)} is not divisible by --world {args.world}")
 
 
 def _refuse_fallback_configuration(args, parser, device) -> None:

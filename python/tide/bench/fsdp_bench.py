@@ -10,17 +10,20 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as _collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _group_mod
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .model import LlamaConfig, LlamaModel
 
 # FSDP2's layout-conversion ops: the copies between per-parameter tensors and flat rank-major
 # buffers that TIDE folds into collective addressing.
 LAYOUT_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat")
+# For parameters sharded on a dim > 0 (shard_placement_fn), FSDP2 also re-lays each one out with a
+# torch.cat: in the all-gather copy-out (rank-major rows -> column blocks) and before the
+# reduce-scatter (column blocks -> rank-major rows). Counted only inside these functions, so the
+# model's own cats are not.
+SHARD_DIM_FUNCTIONS = ("foreach_all_gather_copy_out", "foreach_reduce")
 TIMED_FUNCTIONS = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
 
 
@@ -33,20 +36,49 @@ def _tensor_bytes(obj) -> int:
 
 
 class LayoutCopyCounter(TorchDispatchMode):
-    """Counts the bytes FSDP2's layout-conversion ops read and write, as they run."""
+    """Counts the bytes FSDP2's layout-conversion ops read and write, as they run (the Shard(i > 0)
+    re-layout cats included, also in shard_dim_bytes)."""
 
     def __init__(self):
         super().__init__()
         self.bytes = 0
         self.calls = 0
+        self.shard_dim_bytes = 0
+        self._inside = 0  # depth of SHARD_DIM_FUNCTIONS calls
+        self._saved = {}
+
+    def __enter__(self):
+        for name in SHARD_DIM_FUNCTIONS:
+            fn = self._saved[name] = getattr(_group_mod, name)
+
+            def inside(*a, __fn=fn, **k):
+                self._inside += 1
+                try:
+                    return __fn(*a, **k)
+                finally:
+                    self._inside -= 1
+
+            setattr(_group_mod, name, inside)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(_group_mod, name, fn)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func)
-        if any(op in name for op in LAYOUT_OPS):
+        shard_dim_cat = self._inside and name.startswith("aten.cat")
+        if shard_dim_cat or any(op in name for op in LAYOUT_OPS):
             self.calls += 1
             # every tensor argument is read or written once (inputs, output buffers)
-            self.bytes += _tensor_bytes(list(args)) + _tensor_bytes(list(kwargs.values()))
+            n = _tensor_bytes(list(args)) + _tensor_bytes(list(kwargs.values()))
+            if shard_dim_cat and "out" not in kwargs:  # the result is written too
+                n += _tensor_bytes(args[0])
+            self.bytes += n
+            if shard_dim_cat:
+                self.shard_dim_bytes += n
         return func(*args, **kwargs)
 
 
@@ -103,18 +135,59 @@ def _in_place_gloo_reduce_scatter():
         cls.__call__ = saved
 
 
-def _build(cfg: LlamaConfig, device: str, mp: str, world: int):
+class PssSampler:
+    """CPU: this process's peak proportional set size, sampled from /proc/self/smaps_rollup every
+    `interval` s on a thread. Peak RSS counts every shared-memory page this rank touched in full,
+    its peers' TIDE windows included (the host transport reads them in place), so the ranks' RSS
+    figures add up to more than the host holds; PSS splits a shared page among the processes that
+    map it, so the ranks' PSS adds up to the physical memory. Sampled: a peak shorter than the
+    interval can be missed."""
+
+    def __init__(self, interval: float = 0.5):
+        import threading
+        self.interval, self.peak_kib = interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        try:
+            with open("/proc/self/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        self.peak_kib = max(self.peak_kib, int(line.split()[1]))
+                        return
+        except OSError:
+            pass
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def _build(cfg, device: str, mp: str, world: int, expert_shard_dim: int = 0):
+    """cfg.build() on `device`, fully_shard on each of the model's FSDP units (inner first: its
+    layers, and an MoE's experts with their shard placement), then on the root."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaModel(cfg)
+        model = cfg.build()
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mp == "bf16" else MixedPrecisionPolicy())
     mesh = None
     if device == "cpu":
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (world,))
-    for layer in model.layers:
-        fully_shard(layer, mp_policy=policy, mesh=mesh)
+    for unit, placement in model.fsdp_units(expert_shard_dim):
+        fully_shard(unit, mp_policy=policy, mesh=mesh, shard_placement_fn=placement)
     fully_shard(model, mp_policy=policy, mesh=mesh)
     return model
 
@@ -128,20 +201,22 @@ def _progress(label: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def run_mode(rank: int, world: int, mode: str, cfg_dict: dict, opts: dict) -> dict:
-    """One rank's run of one mode ("stock" or "tide")."""
-    device, cfg = opts["device"], LlamaConfig(**cfg_dict)
+def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
+    """One rank's run of one mode ("stock" or "tide") of `cfg` (a model config from model.py)."""
+    device = opts["device"]
     shared_gpus = device == "cuda" and dist.get_backend() == "gloo"  # see launch.backend_for
     with contextlib.ExitStack() as stack:
-        if shared_gpus and mode == "stock":
+        pss = stack.enter_context(PssSampler()) if device == "cpu" else None
+        if shared_gpus:  # stock's groups; under TIDE, the groups that fall back (TIDE's own never use it)
             stack.enter_context(_in_place_gloo_reduce_scatter())
         result = _train(rank, mode, cfg, device, world, opts)
+    result["peak_pss_mib"] = pss.peak_kib / 1024 if pss is not None and pss.peak_kib else None
     result["ranks_share_gpus"] = shared_gpus
     return result
 
 
-def _train(rank: int, mode: str, cfg: LlamaConfig, device: str, world: int, opts: dict) -> dict:
-    model = _build(cfg, device, opts["mp"], world)
+def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> dict:
+    model = _build(cfg, device, opts["mp"], world, opts.get("expert_shard_dim", 0))
     handle = None
     if mode == "tide":
         import tide.fsdp
@@ -163,9 +238,7 @@ def _train(rank: int, mode: str, cfg: LlamaConfig, device: str, world: int, opts
         torch.cuda.reset_peak_memory_stats()
 
     def one_step():
-        tokens = torch.randint(0, cfg.vocab, (opts["batch"], opts["seq"]), generator=gen).to(device)
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.view(-1, cfg.vocab), tokens.roll(-1, 1).view(-1))
+        loss = cfg.loss(model, cfg.batch(opts["batch"], opts["seq"], gen, device))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -206,16 +279,25 @@ def _train(rank: int, mode: str, cfg: LlamaConfig, device: str, world: int, opts
         "step_ms": statistics.median(step_s) * 1e3,
         "collectives_ms": statistics.median(coll_s) * 1e3,
         "layout_copy_bytes": counter.bytes,
+        "shard_dim_copy_bytes": counter.shard_dim_bytes,
         "sm_cta_us": sm_cta_us,
         "peak_memory_mib": (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
                             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",
         "tide_buckets": len(handle.buckets) if handle else 0,
         "tide_fallbacks": [reason for _, reason in handle.fallbacks] if handle else [],
+        "tide_fallback_groups": [[path, reason] for path, reason in handle.fallbacks] if handle else [],
+        "param_groups": _group_count(model),
         "tide_window_mib": handle.pool_bytes() / 2**20 if handle else 0.0,
         "params": params,
     }
     return result
+
+
+def _group_count(model) -> int:
+    """FSDP2 param groups under the model (the denominator of "TIDE handled N")."""
+    from ..fsdp import _fsdp2
+    return len(_fsdp2.param_groups(model))
 
 
 def compare(stock: list, tide_runs: list) -> float:

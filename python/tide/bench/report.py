@@ -16,7 +16,8 @@ def fsdp_table(summary: dict) -> str:
     where = f" (TIDE: nodes of {nodes} ranks{network}{chunks}{wire})" if nodes else ""
     emulated = (" — SINGLE-GPU EMULATION (ranks share the GPU: times do not compare; copies, memory "
                 "and agreement do)" if t.get("ranks_share_gpus") else "")
-    lines = [f"# tide-bench fsdp: {summary['model']}, W = {summary['world']}{where}, {summary['device']}, "
+    experts = f", experts sharded on dim {summary['expert_shard_dim']}" if summary.get("expert_shard_dim") else ""
+    lines = [f"# tide-bench fsdp: {summary['model']}{experts}, W = {summary['world']}{where}, {summary['device']}, "
              f"mp {summary['mp']}, median of {summary['steps']} steps after {summary['warmup']} warm-up"
              f"{emulated}",
              f"{'':<34} {'stock FSDP2':>14} {'TIDE':>14} {'TIDE/stock':>11}"]
@@ -30,6 +31,8 @@ def fsdp_table(summary: dict) -> str:
     row("time in collectives (ms)", "collectives_ms", "{:.2f}")
     row("layout-conversion copies (MiB)", "layout_copy_mib", "{:.2f}")
     row(f"peak memory (MiB, {s['peak_memory_kind']})", "peak_memory_mib", "{:.1f}")
+    if s.get("peak_pss_mib") and t.get("peak_pss_mib"):  # CPU: RSS counts peers' shared windows too
+        row("peak memory (MiB, sampled PSS)", "peak_pss_mib", "{:.1f}")
     lines.append(f"{'TIDE window pool (MiB)':<34} {'-':>14} {t['tide_window_mib']:>14.2f}")
     if summary["device"] == "cuda":  # the pool is outside PyTorch's allocator: the honest total
         a, b = s["peak_memory_mib"], t["peak_memory_mib"] + t["tide_window_mib"]
@@ -39,8 +42,15 @@ def fsdp_table(summary: dict) -> str:
                      "NVLink-bound; stock FSDP2's collectives run over gloo through host memory (its "
                      "reduce-scatter as an in-place all-reduce), so its step and collective times are "
                      "not NCCL's: compare layout copies and memory")
-    lines.append(f"TIDE handled {t['tide_buckets']} param groups"
-                 + (f"; fell back for: {sorted(set(t['tide_fallbacks']))}" if t["tide_fallbacks"] else ""))
+    groups = t.get("param_groups")
+    lines.append(f"TIDE handled {t['tide_buckets']}" + (f" of {groups}" if groups else "") + " param groups"
+                 + (f"; fell back for {len(t['tide_fallbacks'])} (stock FSDP2 runs them):"
+                    if t["tide_fallbacks"] else ""))
+    for path, reason in t.get("tide_fallback_groups") or [[None, r] for r in t["tide_fallbacks"]]:
+        lines.append(f"  fell back: {path + ': ' if path else ''}{reason}")
+    if t.get("shard_dim_copy_mib") or s.get("shard_dim_copy_mib"):
+        lines.append(f"  of the layout copies, Shard(dim > 0) re-layout (torch.cat): stock "
+                     f"{s['shard_dim_copy_mib']:.2f} MiB, TIDE {t['shard_dim_copy_mib']:.2f} MiB")
     lines.append(f"numerical agreement: max |TIDE - stock| over final parameters = {summary['max_abs_diff']:.3e}")
     if summary["device"] == "cpu":
         lines.append("SM time: n/a on CPU (host executor; no GPU used)")
