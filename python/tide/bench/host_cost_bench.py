@@ -2,7 +2,8 @@
 stock vs TIDE, with a model whose compute is tiny (issue 18: TIDE's hooks, planning lookups and
 binding calls must cost no more than stock FSDP2's own copy-in / copy-out / collective launches).
 
-Each rank trains the same model of `layers` FSDP2 param groups (two small Linear layers each) twice:
+Each rank trains the same model of `layers` FSDP2 param groups (two small Linear layers each; the
+root holds no parameters of its own) twice:
 - stock: FSDP2 over a "fake" process group (torch's no-op backend: every collective returns at
   once), so the figure is FSDP2's own host work per step with collectives that cost nothing, a
   lower bound on stock's host cost (a real NCCL launch adds ~5-10 us per collective);
@@ -72,8 +73,8 @@ def run_host_cost(rank: int, world: int, opts: dict) -> dict:
     mine = _host_ms(model, device, opts["steps"], opts["warmup"])
     counts = handle.counts()
     tide.fsdp.disable(model)
-    groups = opts["layers"] + 1
-    if len(handle.buckets) != groups or handle.fallbacks:
+    groups = len(handle.buckets) + len(handle.fallbacks)  # the blocks' (the root holds no params)
+    if handle.fallbacks or groups != opts["layers"]:
         raise RuntimeError(f"tide-bench host-cost: TIDE handled {len(handle.buckets)} of {groups} param "
                            f"groups (fallbacks: {handle.fallbacks}); the TIDE column would be stock")
     return {"groups": groups, "stock_ms": statistics.median(stock), "tide_ms": statistics.median(mine),
