@@ -1,7 +1,8 @@
 """torchtitan as a client of TIDE: torchtitan 0.3.0's own trainer (torchtitan.train.main), llama3
 debug model, W = 2 CPU ranks over gloo, stock FSDP2 vs TIDE turned on by the hook a user adds
 (examples/torchtitan/tide_hook.py), under both DTensor backends. At FSDP degree 2 with fp32 the two
-runs must agree bitwise: every step's loss and gradient norm, and the final parameters.
+runs must agree bitwise: every step's loss and gradient norm, and the final parameters (with bf16
+params too: at W = 2 each reduced element is one fp32 sum of two, the same on both paths).
 
 Skips unless torchtitan 0.3.0 and triton are installed (CI does not install them):
 scripts/torchtitan_check.sh makes a venv with them and runs this file. tests/python/torchtitan_cpu.py
@@ -36,7 +37,12 @@ def _skip_reason() -> str:
 pytestmark = pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "-")
 
 STEPS = int(os.environ.get("TIDE_TITAN_STEPS", "10"))
-BACKENDS = ["partial_dtensor", "full_dtensor"]
+# (spmd backend, FSDP2 param dtype, TIDE's config): fp32 under both DTensor backends; then what a
+# GPU user runs (torchtitan's defaults: bf16 params, FSDP2's PREMUL_SUM reduce op, which gloo lacks,
+# so only TIDE's run keeps it, against stock's force-sum SUM: the same sums at a factor of 1.0).
+CASES = [("partial_dtensor", "float32", "llama3_debugmodel_tide"),
+         ("full_dtensor", "float32", "llama3_debugmodel_tide"),
+         ("full_dtensor", "bfloat16", "llama3_debugmodel_tide_premul")]
 
 
 @pytest.fixture(scope="module")
@@ -47,29 +53,29 @@ def assets(tmp_path_factory):
     return torchtitan_cpu.make_assets(str(tmp_path_factory.mktemp("torchtitan_assets")))
 
 
-def run_titan(tmp_path, assets, config: str, backend: str) -> list[dict]:
+def run_titan(tmp_path, assets, config: str, backend: str, dtype: str) -> list[dict]:
     """torchtitan.train on 2 ranks (torchrun); each rank's record (losses, grad norms as float.hex,
     a hash of its parameter shards, TIDE's handle)."""
     tokenizer, data = assets
-    out = tmp_path / f"{config}-{backend}"
+    out = tmp_path / f"{config}-{backend}-{dtype}"
     env = dict(os.environ, TIDE_TITAN_OUT=str(out), PYTHONPATH=HERE, HF_HOME=str(tmp_path / "hf"),
                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(HERE, "torchtitan_cpu.py"), "--module", "torchtitan_cpu", "--config", config,
            "--hf_assets_path", tokenizer, "--dataloader.dataset_path", data,
-           "--parallelism.spmd_backend", backend, "--training.mixed_precision_param", "float32",
+           "--parallelism.spmd_backend", backend, "--training.mixed_precision_param", dtype,
            "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size", "2",
            "--debug.seed", "42", "--checkpoint.no-enable", "--validator.no-enable",
            "--dump_folder", str(tmp_path / "dump")]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchtitan {config} {backend} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, f"torchtitan {config} {backend} {dtype} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return [json.loads((tmp_path / f"{out.name}.rank{r}").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_torchtitan_tide_matches_stock(tmp_path, assets, backend):
-    stock = run_titan(tmp_path, assets, "llama3_debugmodel_stock", backend)
-    tide = run_titan(tmp_path, assets, "llama3_debugmodel_tide", backend)
+@pytest.mark.parametrize("backend,dtype,tide_config", CASES, ids=["-".join(c[:2]) for c in CASES])
+def test_torchtitan_tide_matches_stock(tmp_path, assets, backend, dtype, tide_config):
+    stock = run_titan(tmp_path, assets, "llama3_debugmodel_stock", backend, dtype)
+    tide = run_titan(tmp_path, assets, tide_config, backend, dtype)
     for rank in range(2):
         s, t = stock[rank], tide[rank]
         assert "tide" not in s
@@ -79,7 +85,7 @@ def test_torchtitan_tide_matches_stock(tmp_path, assets, backend):
         assert len(handle["buckets"]) == 8, handle  # tok_embeddings, 6 layers, norm + lm_head
         assert handle["counts"]["all_gathers"] > 0 and handle["counts"]["reduce_scatters"] > 0, handle
         assert len(s["losses"]) == STEPS
-        assert t["losses"] == s["losses"], (backend, rank, s["losses"], t["losses"])
-        assert t["grad_norms"] == s["grad_norms"], (backend, rank)
-        assert t["params_sha256"] == s["params_sha256"], (backend, rank)
+        assert t["losses"] == s["losses"], (rank, s["losses"], t["losses"])
+        assert t["grad_norms"] == s["grad_norms"], rank
+        assert t["params_sha256"] == s["params_sha256"], rank
     assert float.fromhex(stock[0]["losses"][-1]) < float.fromhex(stock[0]["losses"][0])  # it trains

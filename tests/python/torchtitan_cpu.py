@@ -4,9 +4,11 @@ or with TIDE through examples/torchtitan/tide_hook.py, and writes what it saw as
     TIDE_TITAN_OUT=out.json python -m torch.distributed.run --standalone --nproc_per_node 2 \
         tests/python/torchtitan_cpu.py --module torchtitan_cpu --config llama3_debugmodel_tide ...
 
-TEST-ONLY. Everything below the "CPU shims" line exists because torchtitan 0.3.0 itself (TIDE off
-too) assumes a GPU; none of it is part of the hook a torchtitan user adds (tide_hook.with_tide),
-and none of it touches TIDE. `make_assets` writes the small tokenizer and text data set that
+TEST-ONLY. The "CPU shims" (1-2 below, 3-4 in cpu_config) exist because torchtitan 0.3.0 itself
+(TIDE off too) assumes a GPU; none of them is part of the hook a torchtitan user adds
+(tide_hook.with_tide), none touches TIDE, and stock and TIDE runs get the same ones. The driver
+only records (losses, gradient norms, a hash of the final parameter shards, TIDE's handle); it
+changes nothing. `make_assets` writes the small tokenizer and text data set that
 torchtitan's debug config reads from its source tree's tests/assets (not in the wheel), since
 nothing can be downloaded here.
 """
@@ -31,7 +33,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "torchtitan"))
 #    is None without an accelerator, and torchtitan then takes "cuda" (torch.cuda.set_device fails).
 #    Point it at "cpu", with torch.cpu as its device module plus the memory queries torchtitan's
 #    DeviceMemoryMonitor makes (get_device_name, get_device_properties, memory_stats, ...), which
-#    torch.cpu lacks, and current_device() as an index (torch.cpu's is the string "cpu"). Only torchtitan's import sees the change; torch's own functions are restored.
+#    torch.cpu lacks, and current_device() as an index (torch.cpu's is the string "cpu"). Only
+#    torchtitan's import sees the change; torch's own functions are restored after it.
 class _CPUDeviceModule:
     def __getattr__(self, name):
         return getattr(torch.cpu, name)
@@ -74,10 +77,11 @@ if not hasattr(dist, "set_timeout"):
     dist.set_timeout = lambda timeout, group=None: distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def cpu_config(config):
+def cpu_config(config, force_sum: bool = True):
     """The debug config's model on CPU: 3. SDPA in place of FlexAttention (which has no backward on
     CPU), 4. force-sum reduction (torchtitan sets FSDP2's gradient divide factor to 1.0, and FSDP2
-    then reduce-scatters with PREMUL_SUM, which gloo lacks; SUM with no division is the same)."""
+    then reduce-scatters with PREMUL_SUM(1.0), which gloo lacks; SUM with no division is the same).
+    force_sum=False keeps PREMUL_SUM, as on GPUs: only runs where TIDE takes every reduce-scatter."""
     from torchtitan.distributed.fsdp import FSDPModule
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
@@ -88,6 +92,8 @@ def cpu_config(config):
         else:
             setattr(parent, attr, ScaledDotProductAttention.Config())
     parallelize = spec.parallelize_fn
+    if not force_sum:
+        return config
 
     def parallelize_force_sum(model, **kwargs):
         model = parallelize(model, **kwargs)
@@ -100,7 +106,7 @@ def cpu_config(config):
     return config
 
 
-# ------------------------------------------------------------------- the two configs the test runs
+# ----------------------------------------------------------------------- the configs the test runs
 def llama3_debugmodel_stock():
     from torchtitan.models.llama3 import config_registry as llama3
 
@@ -111,6 +117,14 @@ def llama3_debugmodel_tide():
     import tide_hook  # examples/torchtitan: what a user adds
 
     return cpu_config(tide_hook.llama3_debugmodel())
+
+
+def llama3_debugmodel_tide_premul():
+    """TIDE with FSDP2's reduce op as on GPUs (PREMUL_SUM(1 / 1.0)): gloo never sees it, since TIDE
+    runs every reduce-scatter; compared with the stock run, which needs force-sum on gloo."""
+    import tide_hook
+
+    return cpu_config(tide_hook.llama3_debugmodel(), force_sum=False)
 
 
 # --------------------------------------------------------------------------------------- test data
