@@ -2,7 +2,8 @@
 debug model, W = 2 CPU ranks over gloo, stock FSDP2 vs TIDE turned on by the hook a user adds
 (examples/torchtitan/tide_hook.py), under both DTensor backends. At FSDP degree 2 with fp32 the two
 runs must agree bitwise: every step's loss and gradient norm, and the final parameters (with bf16
-params too: at W = 2 each reduced element is one fp32 sum of two, the same on both paths).
+params too: at W = 2 each reduced element is one fp32 sum of two, the same on both paths). And a
+checkpoint saved and resumed (torchtitan loads it after the hook enabled TIDE), against stock's.
 
 Skips unless torchtitan 0.3.0 and triton are installed (CI does not install them):
 scripts/torchtitan_check.sh makes a venv with them and runs this file. tests/python/torchtitan_cpu.py
@@ -53,20 +54,23 @@ def assets(tmp_path_factory):
     return torchtitan_cpu.make_assets(str(tmp_path_factory.mktemp("torchtitan_assets")))
 
 
-def run_titan(tmp_path, assets, config: str, backend: str, dtype: str) -> list[dict]:
+def run_titan(tmp_path, assets, config: str, backend: str, dtype: str, steps: int = STEPS,
+              checkpoint: str = "") -> list[dict]:
     """torchtitan.train on 2 ranks (torchrun); each rank's record (losses, grad norms as float.hex,
-    a hash of its parameter shards, TIDE's handle)."""
+    a hash of its parameter shards, TIDE's handle). checkpoint: a folder to save every
+    `steps` steps to and to resume from (torchtitan loads the latest step there)."""
     tokenizer, data = assets
-    out = tmp_path / f"{config}-{backend}-{dtype}"
+    out = tmp_path / f"{config}-{backend}-{dtype}-{steps}"
+    dump = tmp_path / (checkpoint or "dump")
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(steps)] if checkpoint else ["--checkpoint.no-enable"]
     env = dict(os.environ, TIDE_TITAN_OUT=str(out), PYTHONPATH=HERE, HF_HOME=str(tmp_path / "hf"),
                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(HERE, "torchtitan_cpu.py"), "--module", "torchtitan_cpu", "--config", config,
            "--hf_assets_path", tokenizer, "--dataloader.dataset_path", data,
            "--parallelism.spmd_backend", backend, "--training.mixed_precision_param", dtype,
-           "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size", "2",
-           "--debug.seed", "42", "--checkpoint.no-enable", "--validator.no-enable",
-           "--dump_folder", str(tmp_path / "dump")]
+           "--training.steps", str(steps), "--training.seq_len", "256", "--training.local_batch_size", "2",
+           "--debug.seed", "42", "--validator.no-enable", "--dump_folder", str(dump), *ckpt]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"torchtitan {config} {backend} {dtype} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return [json.loads((tmp_path / f"{out.name}.rank{r}").read_text()) for r in range(2)]
@@ -84,8 +88,28 @@ def test_torchtitan_tide_matches_stock(tmp_path, assets, backend, dtype, tide_co
         assert handle["fallbacks"] == [], handle["fallbacks"]
         assert len(handle["buckets"]) == 8, handle  # tok_embeddings, 6 layers, norm + lm_head
         assert handle["counts"]["all_gathers"] > 0 and handle["counts"]["reduce_scatters"] > 0, handle
-        assert len(s["losses"]) == STEPS
+    assert_same(stock, tide, STEPS)
+    assert float.fromhex(stock[0]["losses"][-1]) < float.fromhex(stock[0]["losses"][0])  # it trains
+
+
+def assert_same(stock, tide, steps):
+    for rank in range(2):
+        s, t = stock[rank], tide[rank]
+        assert len(s["losses"]) == steps
         assert t["losses"] == s["losses"], (rank, s["losses"], t["losses"])
         assert t["grad_norms"] == s["grad_norms"], rank
         assert t["params_sha256"] == s["params_sha256"], rank
-    assert float.fromhex(stock[0]["losses"][-1]) < float.fromhex(stock[0]["losses"][0])  # it trains
+
+
+def test_torchtitan_checkpoint_resume(tmp_path, assets):
+    """TIDE is enabled before torchtitan loads a checkpoint, which copies into the sharded
+    parameters TIDE recorded: save at step 3, resume to step 6, stock vs TIDE, bitwise."""
+    for config in ("llama3_debugmodel_stock", "llama3_debugmodel_tide"):
+        first = run_titan(tmp_path, assets, config, "partial_dtensor", "float32", 3, f"ckpt-{config}")
+        assert (tmp_path / f"ckpt-{config}" / "checkpoint" / "step-3").is_dir()
+        resumed = run_titan(tmp_path, assets, config, "partial_dtensor", "float32", 6, f"ckpt-{config}")
+        if config.endswith("stock"):
+            stock = (first, resumed)
+    assert_same(stock[0], first, 3)
+    assert_same(stock[1], resumed, 3)  # steps 4-6, after the load
+    assert resumed[0]["tide"][0]["fallbacks"] == [] and len(resumed[0]["tide"][0]["buckets"]) == 8
