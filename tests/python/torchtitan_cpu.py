@@ -1,0 +1,200 @@
+"""Runs torchtitan 0.3.0's own trainer (torchtitan.train.main) on CPU ranks over gloo, stock FSDP2
+or with TIDE through examples/torchtitan/tide_hook.py, and writes what it saw as JSON.
+
+    TIDE_TITAN_OUT=out.json python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        tests/python/torchtitan_cpu.py --module torchtitan_cpu --config llama3_debugmodel_tide ...
+
+TEST-ONLY. The "CPU shims" (1-2 below, 3-4 in cpu_config) exist because torchtitan 0.3.0 itself
+(TIDE off too) assumes a GPU; none of them is part of the hook a torchtitan user adds
+(tide_hook.with_tide), none touches TIDE, and stock and TIDE runs get the same ones. The driver
+only records (losses, gradient norms, a hash of the final parameter shards, TIDE's handle); it
+changes nothing. `make_assets` writes the small tokenizer and text data set that
+torchtitan's debug config reads from its source tree's tests/assets (not in the wheel), since
+nothing can be downloaded here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "torchtitan"))
+
+# ---------------------------------------------------------------------------------------- CPU shims
+# 1. torchtitan.tools.utils picks its device at import: torch._utils._get_available_device_type()
+#    is None without an accelerator, and torchtitan then takes "cuda" (torch.cuda.set_device fails).
+#    Point it at "cpu", with torch.cpu as its device module plus the memory queries torchtitan's
+#    DeviceMemoryMonitor makes (get_device_name, get_device_properties, memory_stats, ...), which
+#    torch.cpu lacks, and current_device() as an index (torch.cpu's is the string "cpu"). Only
+#    torchtitan's import sees the change; torch's own functions are restored after it.
+class _CPUDeviceModule:
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    def current_device(self):  # an index: set_pg_timeouts passes it as barrier(device_ids=[...])
+        return 0
+
+    def get_device_name(self, device=None):
+        return "cpu"
+
+    def get_device_properties(self, device=None):
+        import types
+
+        return types.SimpleNamespace(name="cpu", total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    def memory_stats(self, device=None):
+        return {}
+
+    def reset_peak_memory_stats(self, device=None):
+        pass
+
+    def empty_cache(self):
+        pass
+
+
+if not torch.cuda.is_available():
+    import torch._utils
+
+    saved = torch._utils._get_available_device_type, torch._utils._get_device_module
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch._utils._get_device_module = lambda device_type: _CPUDeviceModule()
+    import torchtitan.tools.utils  # noqa: E402,F401  (binds device_type, device_module)
+
+    torch._utils._get_available_device_type, torch._utils._get_device_module = saved
+# 2. torchtitan's set_pg_timeouts (after step 1) calls torch.distributed.set_timeout, which torch
+#    2.13 does not have; its private equivalent is _set_pg_timeout(timeout, group).
+if not hasattr(dist, "set_timeout"):
+    from torch.distributed import distributed_c10d
+
+    dist.set_timeout = lambda timeout, group=None: distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def cpu_config(config, force_sum: bool = True):
+    """The debug config's model on CPU: 3. SDPA in place of FlexAttention (which has no backward on
+    CPU), 4. force-sum reduction (torchtitan sets FSDP2's gradient divide factor to 1.0, and FSDP2
+    then reduce-scatters with PREMUL_SUM(1.0), which gloo lacks; SUM with no division is the same).
+    force_sum=False keeps PREMUL_SUM, as on GPUs: only runs where TIDE takes every reduce-scatter."""
+    from torchtitan.distributed.fsdp import FSDPModule
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    spec = config.model_spec
+    for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
+        if isinstance(attr, int):
+            parent[attr] = ScaledDotProductAttention.Config()
+        else:
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+    parallelize = spec.parallelize_fn
+    if not force_sum:
+        return config
+
+    def parallelize_force_sum(model, **kwargs):
+        model = parallelize(model, **kwargs)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        return model
+
+    config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize_force_sum)
+    return config
+
+
+# ----------------------------------------------------------------------- the configs the test runs
+def llama3_debugmodel_stock():
+    from torchtitan.models.llama3 import config_registry as llama3
+
+    return cpu_config(llama3.llama3_debugmodel())
+
+
+def llama3_debugmodel_tide():
+    import tide_hook  # examples/torchtitan: what a user adds
+
+    return cpu_config(tide_hook.llama3_debugmodel())
+
+
+def llama3_debugmodel_tide_premul():
+    """TIDE with FSDP2's reduce op as on GPUs (PREMUL_SUM(1 / 1.0)): gloo never sees it, since TIDE
+    runs every reduce-scatter; compared with the stock run, which needs force-sum on gloo."""
+    import tide_hook
+
+    return cpu_config(tide_hook.llama3_debugmodel(), force_sum=False)
+
+
+# --------------------------------------------------------------------------------------- test data
+def make_assets(root: str, vocab: int = 2000, docs: int = 400, seed: int = 0) -> tuple[str, str]:
+    """A word-level tokenizer (vocab + bos/eos, under the debug model's 2048) and a c4-like JSON
+    data set of Zipf-distributed words; returns (tokenizer folder, data set folder)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok_dir, data_dir = os.path.join(root, "tokenizer"), os.path.join(root, "c4_test")
+    os.makedirs(tok_dir, exist_ok=True)
+    os.makedirs(data_dir, exist_ok=True)
+    words = [f"w{i}" for i in range(vocab)]
+    specials = ["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.save(os.path.join(tok_dir, "tokenizer.json"))
+    with open(os.path.join(tok_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": specials[1], "eos_token": specials[2], "add_bos_token": True,
+                   "add_eos_token": True}, f)
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) for i in range(vocab)]
+    with open(os.path.join(data_dir, "data.json"), "w") as f:
+        for _ in range(docs):
+            n = rng.randint(50, 400)
+            f.write(json.dumps({"text": " ".join(rng.choices(words, weights, k=n))}) + "\n")
+    return tok_dir, data_dir
+
+
+# ------------------------------------------------------------------------------------------ driver
+def main():
+    sys.modules.setdefault("torchtitan_cpu", sys.modules["__main__"])  # --module torchtitan_cpu
+    from torchtitan import train
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.trainer import Trainer
+
+    seen = {"losses": [], "grad_norms": [], "params_sha256": None}
+    log = MetricsProcessor.log
+
+    def record(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+        seen["losses"].append(float(global_avg_loss).hex())
+        seen["grad_norms"].append(float(grad_norm).hex())
+        return log(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
+
+    close = Trainer.close
+
+    def close_and_hash(self):
+        digest = hashlib.sha256()
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                digest.update(name.encode())
+                digest.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            handle = getattr(part, "tide_handle", None)
+            if handle is not None:
+                seen.setdefault("tide", []).append({
+                    "repr": repr(handle), "buckets": [b.path for b in handle.buckets],
+                    "fallbacks": [list(map(str, f)) for f in handle.fallbacks],
+                    "counts": handle.counts()})
+        seen["params_sha256"] = digest.hexdigest()
+        return close(self)
+
+    MetricsProcessor.log = record
+    Trainer.close = close_and_hash
+    train.main()
+    out = os.environ.get("TIDE_TITAN_OUT")
+    if out:
+        with open(f"{out}.rank{os.environ.get('RANK', '0')}", "w") as f:
+            json.dump(seen, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
