@@ -220,10 +220,11 @@ class Bucket:
         return program
 
 
-class ReduceScatterComm:
-    """Stands in for FSDP2's reduce-scatter comm inside stock ``foreach_reduce``: the full-group
-    input buffer it allocates is a one-element stand-in (copy-in is skipped for it), and the
-    "collective" is TIDE-RS from the per-parameter gradients straight into the output shard."""
+class ReduceScatterComm(_fsdp2.ReduceScatterBase):
+    """FSDP2's reduce-scatter comm (its ABC where the version has one) as TIDE runs it inside stock
+    ``foreach_reduce``: the full-group input buffer it allocates is a one-element stand-in
+    (copy-in is skipped for it), and the "collective" is TIDE-RS from the per-parameter gradients
+    straight into the output shard."""
 
     def __init__(self, bucket: Bucket, subset: tuple, divide_factor):
         self.bucket, self.subset, self.divide_factor = bucket, subset, divide_factor

@@ -18,6 +18,12 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_modul
 SUPPORTED = ((2, 11), (2, 15))
 
 ShardedState = param_module.ShardedState
+# FSDP2's reduce-scatter comm interface (torch >= 2.12: _fsdp_api.ReduceScatter, an ABC whose
+# instances foreach_reduce calls); TIDE's comm subclasses it where it exists.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
+except ImportError:
+    ReduceScatterBase = object
 TrainingState = common.TrainingState
 AllGatherResult = collectives.AllGatherResult
 
