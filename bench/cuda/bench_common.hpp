@@ -56,8 +56,8 @@ struct Args {
   double nvlink_gbps = 380;         // what NVLink delivers into one GPU, in all
   std::size_t pace_chunk_kib = 2048;  // pieces the paced copies are released in
   int nccl_ctas = 32;               // the NCCL stand-in's persistent CTAs
-  int gemms = 100;                  // timed GEMMs per case and repeat, at least
-  int repeats = 3;                  // rounds over all cases (samples pooled)
+  int gemms = 200;                  // timed GEMMs per case and repeat, at least
+  int repeats = 4;                  // rounds over all cases (samples pooled)
   std::string sweep_ctas = "8,16,32,66,132,264";
   std::string sweep_tiles = "1,4,persistent";
   std::string sweep_priority = "normal,low";
@@ -147,6 +147,7 @@ void ceiling_child(const Args& args);
 bool run_interference(const Args& args);
 // rank_interference.cpp: one rank of a W = 8 TIDE-RS modelled on one GPU, the reduce budget swept;
 // the short table it leaves for the parent to print last.
+void validate_rank_interference(const Args& args);  // throws for bad options (no CUDA)
 bool run_rank_interference(const Args& args);
 void print_rank_interference_final();
 

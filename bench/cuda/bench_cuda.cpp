@@ -21,7 +21,7 @@
 //                                      (and a PNG via bench/plot_rank_interference.py if python3
 //                                      and matplotlib exist). Options: --g-mib N (256),
 //                                      --nvlink-gbps X (380), --pace-chunk-kib N (2048),
-//                                      --nccl-ctas N (32), --gemms N (100), --repeats N (3),
+//                                      --nccl-ctas N (32), --gemms N (200), --repeats N (4),
 //                                      --sweep-ctas LIST (8,16,32,66,132,264), --sweep-tiles LIST
 //                                      (1,4,persistent), --sweep-priority LIST (normal,low),
 //                                      --tsv FILE, --png FILE, --no-unpaced. See rank_interference.cpp.
@@ -138,6 +138,7 @@ int main_impl(int argc, char** argv) {
     throw std::runtime_error("--network " + args.network + ": expected nccl or ipc");
   if (args.wire != "fp32" && args.wire != "bf16")
     throw std::runtime_error("--wire " + args.wire + ": expected fp32 or bf16");
+  if (args.mode == "rank-interference") validate_rank_interference(args);
   if (!cuda_device_available()) {
     std::printf("tide_bench_cuda: no usable CUDA device; nothing to measure\n");
     return 0;

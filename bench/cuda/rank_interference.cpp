@@ -278,7 +278,7 @@ class Lane {
   bool has_reduce_events() const { return !red_starts_.empty(); }
   cudaEvent_t reduce_start(int i) const { return red_starts_[i]; }
   cudaEvent_t reduce_end(int i) const { return red_ends_[i]; }
-  bool ran_out() const { return issued_.load() >= max_iters_; }
+  bool failed() const { return abort_.load(); }
 
  private:
   template <class F>
@@ -441,7 +441,8 @@ class Runner {
     for (auto& l : lanes) l->start();
     // The GEMMs start once every lane's background has started.
     for (auto& l : lanes) {
-      while (l->issued() == 0) std::this_thread::yield();
+      while (l->issued() == 0 && !l->failed()) std::this_thread::yield();
+      if (l->failed()) break;
       while (cudaEventQuery(l->start_event(0)) == cudaErrorNotReady) std::this_thread::yield();
     }
     for (int j = 0; j < gemms; ++j) {
@@ -607,6 +608,7 @@ void print_table_header() {
 
 void rank_interference_child(const Args& args) {
   select_device(0);
+  cuda_kernels::preload_kernels();  // no lazy module load while a stream waits on a pace flag
   OneWaveGemm gemm;
   if (!gemm.init()) {
     std::printf("\n# rank-interference: skipped (libcublas.so.13 not found; set TIDE_CUBLAS_LIB)\n");
@@ -754,15 +756,20 @@ void rank_interference_child(const Args& args) {
 
 }  // namespace
 
-bool run_rank_interference(const Args& args) {
+void validate_rank_interference(const Args& args) {
   if (args.g_mib < 8) throw std::runtime_error("--g-mib: expected >= 8");
   if (args.nvlink_gbps <= 0) throw std::runtime_error("--nvlink-gbps: expected > 0");
   if (args.pace_chunk_kib < 64) throw std::runtime_error("--pace-chunk-kib: expected >= 64");
   if (args.nccl_ctas < 1) throw std::runtime_error("--nccl-ctas: expected >= 1");
   if (args.gemms < 20) throw std::runtime_error("--gemms: expected >= 20");
   if (args.repeats < 1) throw std::runtime_error("--repeats: expected >= 1");
-  (void)make_cases(args);  // validates the sweep lists before any fork (CudaReduceBudget::parse)
-  return run_single_child([&] { rank_interference_child(args); });
+  (void)make_cases(args);  // the sweep lists, through CudaReduceBudget::parse
+}
+
+bool run_rank_interference(const Args& args) {
+  validate_rank_interference(args);
+  // ~30 s expected; a stuck run is killed well inside an 8-minute device call.
+  return fork_ranks(1, [&](int, Bootstrap&) { rank_interference_child(args); }, std::chrono::seconds(300));
 }
 
 void print_rank_interference_final() {

@@ -115,7 +115,6 @@ std::vector<std::byte> random_bytes(cuda_kernels::ElementType t, int64_t n, std:
 std::vector<std::byte> run_problem(const Problem& problem, const cuda_kernels::ReduceGrid& grid,
                                    cudaStream_t stream, cuda_kernels::LaunchInfo* info) {
   std::mt19937_64 rng(12345);
-  const std::size_t src_size = element_size(problem.src_type);
   const std::size_t dst_size = element_size(problem.dst_type);
   std::vector<void*> allocations;
   auto device_copy = [&](const std::vector<std::byte>& host, std::size_t offset) -> std::byte* {
