@@ -279,6 +279,7 @@ class Lane {
   cudaEvent_t reduce_start(int i) const { return red_starts_[i]; }
   cudaEvent_t reduce_end(int i) const { return red_ends_[i]; }
   bool failed() const { return abort_.load(); }
+  bool started() const { return started_.load(); }  // starts_[0] is recorded
 
  private:
   template <class F>
@@ -307,6 +308,7 @@ class Lane {
       if (i >= 3) spin_until_done(ends_[i - 3], &abort_);  // at most 3 iterations in flight
       if (abort_) break;
       BCHECK(cudaEventRecord(starts_[i], stream_));
+      if (i == 0) started_ = true;
       for (int k = 0; k < pieces_; ++k) {
         const uint64_t n = static_cast<uint64_t>(i) * pieces_ + k;
         const std::size_t offset = static_cast<std::size_t>(k) * pace_.piece_bytes;
@@ -337,14 +339,21 @@ class Lane {
   // yet enqueued.
   void pace() {
     const double piece_us = pace_.gbps > 0 ? pace_.piece_bytes / (pace_.gbps * 1e3) : 0.0;
-    for (int i = 0;; ++i) {
-      while (issued_.load() <= i && !feeder_done_.load()) std::this_thread::yield();
-      if (issued_.load() <= i) {
-        // The feeder stopped before enqueueing iteration i; release whatever it did enqueue.
-        const uint64_t done = enqueued_.load();
-        if (done > static_cast<uint64_t>(i) * pieces_) flag_->release(done);
-        return;
+    // Once the feeder is done, everything it enqueued is released at once (so the stream drains;
+    // it stops between iterations unless it failed) and the pacer ends.
+    auto wait_enqueued = [&](uint64_t n) {
+      while (enqueued_.load() <= n) {
+        if (feeder_done_.load() && enqueued_.load() <= n) {
+          flag_->release(enqueued_.load());
+          return false;
+        }
+        std::this_thread::yield();
       }
+      return true;
+    };
+    for (int i = 0;; ++i) {
+      // Iteration i's first piece enqueued: iteration i - 1 is wholly enqueued (ends_[i - 1]).
+      if (!wait_enqueued(static_cast<uint64_t>(i) * pieces_)) return;
       if (i > 0) spin_until_done(ends_[i - 1], nullptr);
       const auto t0 = Clock::now();
       for (int k = 0; k < pieces_; ++k) {
@@ -353,7 +362,7 @@ class Lane {
                                  std::chrono::duration<double, std::micro>(k * piece_us));
         while (Clock::now() < at) {
         }
-        while (enqueued_.load() <= n) std::this_thread::yield();
+        if (!wait_enqueued(n)) return;
         flag_->release(n + 1);
       }
     }
@@ -369,7 +378,7 @@ class Lane {
   std::vector<cudaEvent_t> starts_, ends_, red_starts_, red_ends_;
   cudaEvent_t fence_a_ = nullptr, fence_b_ = nullptr;
   std::thread feeder_, pacer_;
-  std::atomic<bool> stop_{false}, abort_{false}, feeder_done_{false};
+  std::atomic<bool> stop_{false}, abort_{false}, feeder_done_{false}, started_{false};
   std::atomic<int> issued_{0};
   std::atomic<uint64_t> enqueued_{0};
   std::mutex error_mutex_;
@@ -441,7 +450,7 @@ class Runner {
     for (auto& l : lanes) l->start();
     // The GEMMs start once every lane's background has started.
     for (auto& l : lanes) {
-      while (l->issued() == 0 && !l->failed()) std::this_thread::yield();
+      while (!l->started() && !l->failed()) std::this_thread::yield();
       if (l->failed()) break;
       while (cudaEventQuery(l->start_event(0)) == cudaErrorNotReady) std::this_thread::yield();
     }
