@@ -656,6 +656,9 @@ void rank_interference_child(const Args& args) {
               "G/8 = %zu MiB paced at %.0f GB/s in %zu KiB pieces, (b) reduce of 8 sources\n",
               args.g_mib, static_cast<long long>(model.shard_numel), model.copy_bytes() >> 20,
               args.nvlink_gbps, args.pace_chunk_kib);
+  std::printf("# at that rate the copy phase takes >= %.0f us per RS (the 'paced copies only' row "
+              "shows what the pacing achieved)\n",
+              model.copy_bytes() / (args.nvlink_gbps * 1e3));
   std::printf("# the copies are D2D on this GPU: they read and write HBM; over NVLink this GPU writes "
               "the 7 incoming chunks and serves reads of its 7 outgoing ones: the same HBM bytes.\n");
   std::printf("# pacing flags: %s (%s)\n",
@@ -731,6 +734,13 @@ void rank_interference_child(const Args& args) {
   // The short table the parent prints last: the separated contributions, then the budgets on the
   // trade-off front (no other budget has both a lower GEMM mean slowdown and a lower loaded RS).
   std::vector<std::string> final_lines;
+  const double expected_copy_us = model.copy_bytes() / (args.nvlink_gbps * 1e3);
+  final_lines.push_back(detail::concat(
+      "GEMM alone ", static_cast<int>(std::lround(alone_med)), " us median / ",
+      static_cast<int>(std::lround(alone_mean)), " us mean; G = ", args.g_mib,
+      " MiB bf16/rank, copies paced at ", static_cast<int>(args.nvlink_gbps), " GB/s (copy phase >= ",
+      static_cast<int>(std::lround(expected_copy_us)), " us), pace flags in ",
+      host_flags ? "host" : "device", " memory; ", args.repeats, " repeats pooled"));
   char head[300];
   std::snprintf(head, sizeof head, kTableHeader, "case (budget of the reduce)", "GEMM med", "GEMM mean",
                 "RS alone", "RS loaded", "(n)", "vs ref", "reduce a/l us");
