@@ -61,8 +61,8 @@ struct Args {
   std::string sweep_ctas = "8,16,32,66,132,264";
   std::string sweep_tiles = "1,4,persistent";
   std::string sweep_priority = "normal,low";
-  std::string tsv = "rank_interference.tsv";
-  std::string png = "rank_interference.png";
+  std::string tsv;                  // "" : $OUT/rank_interference.tsv ($OUT unset: ./)
+  std::string png;                  // "" : next to the TSV; "none": no PNG
   bool unpaced = true;              // also the unpaced-copies case (--no-unpaced drops it)
 };
 

@@ -24,7 +24,9 @@
 //                                      --nccl-ctas N (32), --gemms N (200), --repeats N (4),
 //                                      --sweep-ctas LIST (8,16,32,66,132,264), --sweep-tiles LIST
 //                                      (1,4,persistent), --sweep-priority LIST (normal,low),
-//                                      --tsv FILE, --png FILE, --no-unpaced. See rank_interference.cpp.
+//                                      --tsv FILE ($OUT/rank_interference.tsv, or ./ without
+//                                      $OUT), --png FILE|none (next to the TSV), --no-unpaced.
+//                                      See rank_interference.cpp.
 // Options: --iters N (timed runs, >= 20; median reported), --warmup N, --quick (fewer sizes),
 // --nodes N (sweep/bucket: W ranks as N nodes), --network nccl|ipc (between those nodes: NCCL,
 // one GPU per rank; or CUDA IPC, virtual nodes whose ranks may share GPUs: on one GPU the whole
@@ -74,7 +76,7 @@ void print_summary() {
 // tree this binary was built from.
 void plot_rank_interference(const Args& args) {
   namespace fs = std::filesystem;
-  if (args.png.empty() || !fs::exists(args.tsv)) return;
+  if (args.png == "none" || !fs::exists(args.tsv)) return;
   std::string script;
   for (const std::string& c : {std::string("bench/plot_rank_interference.py"),
                                std::string(TIDE_SOURCE_DIR) + "/bench/plot_rank_interference.py"})
@@ -138,7 +140,16 @@ int main_impl(int argc, char** argv) {
     throw std::runtime_error("--network " + args.network + ": expected nccl or ipc");
   if (args.wire != "fp32" && args.wire != "bf16")
     throw std::runtime_error("--wire " + args.wire + ": expected fp32 or bf16");
-  if (args.mode == "rank-interference") validate_rank_interference(args);
+  if (args.mode == "rank-interference") {
+    const char* out = std::getenv("OUT");
+    const std::string dir = out && *out ? std::string(out) + "/" : std::string();
+    if (args.tsv.empty()) args.tsv = dir + "rank_interference.tsv";
+    if (args.png.empty()) {
+      const std::string& t = args.tsv;
+      args.png = (t.size() > 4 && t.substr(t.size() - 4) == ".tsv" ? t.substr(0, t.size() - 4) : t) + ".png";
+    }
+    validate_rank_interference(args);
+  }
   if (!cuda_device_available()) {
     std::printf("tide_bench_cuda: no usable CUDA device; nothing to measure\n");
     return 0;

@@ -708,6 +708,7 @@ void rank_interference_child(const Args& args) {
   // TSV for plotting.
   {
     std::ofstream tsv(args.tsv);
+    if (!tsv) std::printf("# WARNING: cannot write %s\n", args.tsv.c_str());
     tsv << "kind\tbudget\tctas\ttiles_per_cta\tpriority\tgemm_median_us\tgemm_mean_us\t"
            "gemm_slowdown_median_pct\tgemm_slowdown_mean_pct\trs_alone_us\trs_loaded_us\t"
            "rs_loaded_n\trs_loaded_vs_ref\treduce_alone_us\treduce_loaded_us\tmeets_target\t"
