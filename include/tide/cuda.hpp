@@ -182,9 +182,13 @@ struct CudaReduceBudget {
   // [0, kMaxCtas]), tiles=N|persistent (N in [1, kMaxTilesPerCta]; 0 = persistent),
   // priority=low|normal. "" or "default": the default. Throws InvalidArgument naming the field.
   static CudaReduceBudget parse(const std::string& text);
-  // TIDE_CUDA_REDUCE_BUDGET in parse()'s syntax (unset or empty: the default); InvalidArgument
+  // TIDE_CUDA_REDUCE_BUDGET in parse()'s syntax (unset or empty: initial()); InvalidArgument
   // naming the variable for a bad value.
   static CudaReduceBudget from_env();
+  // What executors start with when TIDE_CUDA_REDUCE_BUDGET is unset or empty: kInitialReduceBudget
+  // in cuda_executor.cpp, parse()d. Today "default" (the all-zero budget: today's schedule), until
+  // a measurement (tide_bench_cuda rank-interference) picks another.
+  static CudaReduceBudget initial();
   // Throws InvalidArgument for fields out of range.
   void validate() const;
 };

@@ -70,7 +70,13 @@ TEST(CudaReduceBudget, ParsesDescribesAndValidates) {
     EXPECT_NE(std::string(e.what()).find("TIDE_CUDA_REDUCE_BUDGET"), std::string::npos) << e.what();
   }
   ::unsetenv("TIDE_CUDA_REDUCE_BUDGET");
-  EXPECT_TRUE(CudaReduceBudget::from_env().is_default());
+  EXPECT_EQ(CudaReduceBudget::from_env().describe(), CudaReduceBudget::initial().describe());
+  ::setenv("TIDE_CUDA_REDUCE_BUDGET", "", 1);
+  EXPECT_EQ(CudaReduceBudget::from_env().describe(), CudaReduceBudget::initial().describe());
+  ::setenv("TIDE_CUDA_REDUCE_BUDGET", "default", 1);
+  EXPECT_TRUE(CudaReduceBudget::from_env().is_default()) << "'default' is today's schedule";
+  ::unsetenv("TIDE_CUDA_REDUCE_BUDGET");
+  EXPECT_NO_THROW(CudaReduceBudget::initial().validate());
 }
 
 // One reduce problem: tasks of several sizes (tails, vector and scalar paths), sources of one

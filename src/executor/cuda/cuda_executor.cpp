@@ -98,9 +98,17 @@ CudaReduceBudget CudaReduceBudget::parse(const std::string& text) {
   return budget;
 }
 
+// The budget executors start with when TIDE_CUDA_REDUCE_BUDGET is unset or empty, in parse()'s
+// syntax: "default" = persistent CTAs, TIDE_CUDA_CTAS_PER_SM per SM, on the executor's stream
+// (TIDE's schedule before the budget existed). The one place to change once
+// `tide_bench_cuda rank-interference` has picked a budget (e.g. "ctas=66,tiles=1,priority=low").
+constexpr const char* kInitialReduceBudget = "default";
+
+CudaReduceBudget CudaReduceBudget::initial() { return parse(kInitialReduceBudget); }
+
 CudaReduceBudget CudaReduceBudget::from_env() {
   const char* text = std::getenv("TIDE_CUDA_REDUCE_BUDGET");
-  if (!text || !*text) return {};
+  if (!text || !*text) return initial();
   try {
     return parse(text);
   } catch (const InvalidArgument& e) {
