@@ -568,8 +568,9 @@ std::vector<Case> make_cases(const Args& args) {
         r.reduce = true, r.grid = {b.max_ctas, b.tiles_per_cta}, r.low_priority = b.low_priority;
         LaneSpec t = r;
         t.copies = true;
-        add("tide", b.describe(), "TIDE-RS rank model, " + b.describe(), {t});
-        add("reduce", b.describe(), "reduce only, " + b.describe(), {r});
+        // Labels carry the budget as TIDE_CUDA_REDUCE_BUDGET takes it.
+        add("tide", b.describe(), "TIDE-RS " + b.describe(), {t});
+        add("reduce", b.describe(), "reduce " + b.describe(), {r});
       }
   return cases;
 }
@@ -661,10 +662,9 @@ void rank_interference_child(const Args& args) {
               model.copy_bytes() / (args.nvlink_gbps * 1e3));
   std::printf("# the copies are D2D on this GPU: they read and write HBM; over NVLink this GPU writes "
               "the 7 incoming chunks and serves reads of its 7 outgoing ones: the same HBM bytes.\n");
-  std::printf("# pacing flags: %s (%s)\n",
-              host_flags ? "pinned mapped host memory, written by a host thread"
-                         : "device memory, written by cuStreamWriteValue64 on another stream",
-              why.c_str());
+  std::printf("# pace flags in pinned mapped host memory (a host thread writes them): %s (%s); else "
+              "device memory written by cuStreamWriteValue64 on another stream\n",
+              host_flags ? "usable" : "NOT usable", why.c_str());
   std::printf("# streams: GEMM default priority (%d); RS model priority %d (FSDP2's RS stream is high "
               "priority); priority=low puts the reduce on a priority-%d stream\n",
               0, greatest, least);
@@ -677,7 +677,28 @@ void rank_interference_child(const Args& args) {
   std::fflush(stdout);
 
   std::vector<Case> cases = make_cases(args);
-  Runner runner(args, gemm, model, streams, host_flags);
+  // The pacing check: the paced copies alone must take about the expected time; host-memory flags
+  // whose writes the GPU sees late would stretch them, then device-memory flags are tried.
+  const double expected_us = model.copy_bytes() / (args.nvlink_gbps * 1e3);
+  auto paced_copy_us = [&](bool host) {
+    Runner probe(args, gemm, model, streams, host);
+    return median(probe.alone(cases[0], 4).rs);  // cases[0]: the paced copies only
+  };
+  bool use_host_flags = host_flags;
+  const double host_us = host_flags ? paced_copy_us(true) : 0.0;
+  if (!host_flags || host_us > 1.1 * expected_us + 20) {
+    const double device_us = paced_copy_us(false);
+    std::printf("# pacing check: paced copy phase %.0f us with host flags%s, %.0f us with device flags "
+                "(expected %.0f us)\n",
+                host_us, host_flags ? "" : " (unusable)", device_us, expected_us);
+    use_host_flags = host_flags && host_us <= device_us;
+  } else {
+    std::printf("# pacing check: paced copy phase %.0f us with host flags (expected %.0f us)\n", host_us,
+                expected_us);
+  }
+  std::printf("# pacing flags used: %s\n", use_host_flags ? "host memory" : "device memory");
+  std::fflush(stdout);
+  Runner runner(args, gemm, model, streams, use_host_flags);
   const auto t_begin = Clock::now();
   for (int rep = 0; rep < args.repeats; ++rep) {
     for (Case& c : cases) runner.measure(c);
@@ -728,7 +749,7 @@ void rank_interference_child(const Args& args) {
     tsv << "# gemm_alone_median_us=" << alone_med << " gemm_alone_mean_us=" << alone_mean
         << " ref_rs_alone_us=" << ref_rs << " G_MiB=" << args.g_mib << " nvlink_gbps="
         << args.nvlink_gbps << " device=" << prop.name << " flags="
-        << (host_flags ? "host" : "device") << '\n';
+        << (use_host_flags ? "host" : "device") << '\n';
   }
   std::printf("# wrote %s\n", args.tsv.c_str());
 
@@ -741,7 +762,7 @@ void rank_interference_child(const Args& args) {
       static_cast<int>(std::lround(alone_mean)), " us mean; G = ", args.g_mib,
       " MiB bf16/rank, copies paced at ", static_cast<int>(args.nvlink_gbps), " GB/s (copy phase >= ",
       static_cast<int>(std::lround(expected_copy_us)), " us), pace flags in ",
-      host_flags ? "host" : "device", " memory; ", args.repeats, " repeats pooled"));
+      use_host_flags ? "host" : "device", " memory; ", args.repeats, " repeats pooled"));
   char head[300];
   std::snprintf(head, sizeof head, kTableHeader, "case (budget of the reduce)", "GEMM med", "GEMM mean",
                 "RS alone", "RS loaded", "(n)", "vs ref", "reduce a/l us");
