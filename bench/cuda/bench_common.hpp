@@ -2,8 +2,9 @@
 // between processes as tab-separated lines, the fork runner (the parent never touches CUDA),
 // device selection and timing, and the buckets measured. One file per mode: sweep.cpp (TIDE-AG/RS
 // sweeps and buckets), nccl_baseline.cpp (NCCL's own collectives, compare), ceiling.cpp (copy and
-// kernel ceilings), interference.cpp (a GEMM beside TIDE-RS / NCCL / a reduce kernel); the driver
-// is bench_cuda.cpp.
+// kernel ceilings), interference.cpp (a GEMM beside TIDE-RS / NCCL / a reduce kernel),
+// rank_interference.cpp (one rank of a W = 8 TIDE-RS modelled on one GPU, the reduce's SM budget
+// swept; one_wave_gemm.hpp is the GEMM both use); the driver is bench_cuda.cpp.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,6 +51,19 @@ struct Args {
   bool threads = false;          // ranks as threads of one process (GPU 0)
   std::size_t chunk_mib = 16;  // multi-node: NetOptions::chunk_bytes (each chunk one send/recv)
   std::string wire = "fp32";   // multi-node RS: NetOptions::wire_dtype
+  // rank-interference (rank_interference.cpp).
+  std::size_t g_mib = 256;          // bf16 gradient per rank
+  double nvlink_gbps = 380;         // what NVLink delivers into one GPU, in all
+  std::size_t pace_chunk_kib = 2048;  // pieces the paced copies are released in
+  int nccl_ctas = 32;               // the NCCL stand-in's persistent CTAs
+  int gemms = 200;                  // timed GEMMs per case and repeat, at least
+  int repeats = 4;                  // rounds over all cases (samples pooled)
+  std::string sweep_ctas = "8,16,32,66,132,264";
+  std::string sweep_tiles = "1,4,persistent";
+  std::string sweep_priority = "normal,low";
+  std::string tsv;                  // "" : $OUT/rank_interference.tsv ($OUT unset: ./)
+  std::string png;                  // "" : next to the TSV; "none": no PNG
+  bool unpaced = true;              // also the unpaced-copies case (--no-unpaced drops it)
 };
 
 // ---- Results: tab-separated lines appended by children, printed by the parent. -------------
@@ -131,5 +145,10 @@ bool run_compare(const std::vector<BucketCase>& cases, const Args& args);
 void ceiling_child(const Args& args);
 // interference.cpp.
 bool run_interference(const Args& args);
+// rank_interference.cpp: one rank of a W = 8 TIDE-RS modelled on one GPU, the reduce budget swept;
+// the short table it leaves for the parent to print last.
+void validate_rank_interference(const Args& args);  // throws for bad options (no CUDA)
+bool run_rank_interference(const Args& args);
+void print_rank_interference_final();
 
 }  // namespace tide::bench

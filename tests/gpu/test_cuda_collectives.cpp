@@ -592,6 +592,44 @@ TEST(CudaCollectives, IpcNetworkDesyncAndDeadPeer) {
   }
 }
 
+// The reduce's SM budget (TIDE_CUDA_REDUCE_BUDGET, read when an executor is made) changes only
+// which CTAs run the reduce, when, and on which stream (priority=low: a lowest-priority stream of
+// the executor's, fenced by events): results stay bitwise the host executor's. A bad value makes
+// the executor's constructor throw InvalidArgument naming the variable.
+TEST(CudaCollectives, ReduceScatterUnderReduceBudgetsMatchesHostExecutor) {
+  TIDE_REQUIRE_GPU();
+  const int world = 4;
+  std::mt19937_64 rng(7000);
+  Scenario s{random_specs(rng, world, 6, 1 << 17),
+             world,
+             {{Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 9, 71},
+              {Collective::kAllGather, {}, 9, 72},
+              {Collective::kReduceScatter, options(ReduceKind::kSum, 0.5f, 2.0f, true), 9, 73}},
+             2};
+  for (const char* budget : {"ctas=1,tiles=1,priority=low", "ctas=8,tiles=4",
+                             "ctas=3,tiles=persistent,priority=low", "ctas=264,tiles=1",
+                             "priority=low"}) {
+    SCOPED_TRACE(budget);
+    TempDir dir;
+    const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+      ::setenv("TIDE_CUDA_REDUCE_BUDGET", budget, 1);
+      run_scenario_on_gpu(s, rank, b, dir.path());
+    });
+    for (int r = 0; r < world; ++r) ASSERT_EQ(reports[r], "ok") << "rank " << r;
+    check_scenario(s, dir.path());
+  }
+  TempDir dir;
+  const auto reports = run_rank_processes(dir.path(), 1, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    ::setenv("TIDE_CUDA_REDUCE_BUDGET", "ctas=lots", 1);
+    auto window = CudaWindow::create(b, 4096);
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CudaExecutor executor(*window, stream);
+  });
+  EXPECT_EQ(reports[0].rfind("InvalidArgument: TIDE_CUDA_REDUCE_BUDGET='ctas=lots'", 0), 0u) << reports[0];
+}
+
 TEST(CudaCollectives, RejectsBadBindingsBeforeEnqueuing) {
   TIDE_REQUIRE_GPU();
   const BucketLayout layout({{"w", {8, 8}, DType::kBF16, DType::kFP32}}, Topology::single_node(1));

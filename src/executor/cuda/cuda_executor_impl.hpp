@@ -121,6 +121,8 @@ struct CudaExecutor::Impl {
   std::vector<FlagWord> staging;
   NetOutbox mailbox_staging{};
   bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
+  CudaReduceBudget reduce_budget;      // from TIDE_CUDA_REDUCE_BUDGET, or set_reduce_budget
+  cudaStream_t reduce_stream = nullptr;  // lowest priority; created at the first low-priority reduce
   std::vector<cudaStream_t> streams_used;
 
   bool stats_enabled = false;
@@ -176,6 +178,7 @@ struct CudaExecutor::Impl {
   std::size_t enqueue_reduces(const std::vector<Step>& steps, std::size_t first,
                               const Resolve& resolve,
                               const std::function<bool(std::size_t)>& batchable);
+  void launch_reduce_batch(const std::vector<cuda_kernels::ReduceSpec>& reduces, int num_sources);
   void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
                       std::vector<std::size_t>& sizes);
   void enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag);

@@ -65,7 +65,9 @@ using LargeCastTable = CastTable<640>;
 using SmallReduceTable = ReduceTable<16, 256>;
 using LargeReduceTable = ReduceTable<128, kMaxSources>;
 static_assert(sizeof(LargeCastTable) <= 32764, "cast table exceeds the kernel parameter limit");
-static_assert(sizeof(LargeReduceTable) <= 32764, "reduce table exceeds the kernel parameter limit");
+// The reduce kernel also takes its launch's tile range (two int64_t).
+static_assert(sizeof(LargeReduceTable) + 2 * sizeof(int64_t) <= 32764,
+              "reduce table exceeds the kernel parameter limit");
 
 // ---- Cast. -----------------------------------------------------------------------------------
 
@@ -233,10 +235,14 @@ __device__ void reduce_tile_dispatch_dst(const ReduceTask& task, const void* con
   }
 }
 
+// Tiles [tile_first, tile_end) of the table, grid-striding: a persistent launch covers every tile;
+// a wave of a short-lived schedule (ReduceGrid::tiles_per_cta) covers gridDim.x x tiles_per_cta.
 template <class Table>
-__global__ void __launch_bounds__(kThreadsPerCta, 4) reduce_kernel(const __grid_constant__ Table table) {
+__global__ void __launch_bounds__(kThreadsPerCta, 4) reduce_kernel(const __grid_constant__ Table table,
+                                                                   int64_t tile_first,
+                                                                   int64_t tile_end) {
   int t = 0;
-  for (int64_t tile = blockIdx.x; tile < table.num_tiles; tile += gridDim.x) {
+  for (int64_t tile = tile_first + blockIdx.x; tile < tile_end; tile += gridDim.x) {
     while (t + 1 < table.num_tasks && table.tasks[t + 1].tile_begin <= tile) ++t;
     const ReduceTask& task = table.tasks[t];
     const void* const* sources = table.sources + task.source_begin;
@@ -309,9 +315,10 @@ int launch_cast_table(const std::vector<CastTask>& tasks, std::size_t first, std
 }
 
 template <class Table>
-int launch_reduce_table(const std::vector<ReduceTask>& tasks,
-                        const std::vector<const void*>& sources, int num_sources,
-                        std::size_t first, std::size_t n, int max_ctas, cudaStream_t stream) {
+LaunchInfo launch_reduce_table(const std::vector<ReduceTask>& tasks,
+                               const std::vector<const void*>& sources, int num_sources,
+                               std::size_t first, std::size_t n, const ReduceGrid& shape,
+                               cudaStream_t stream) {
   Table table{};
   table.num_tasks = static_cast<int>(n);
   table.num_sources = num_sources;
@@ -326,10 +333,26 @@ int launch_reduce_table(const std::vector<ReduceTask>& tasks,
     tiles += tiles_of(task.count);
   }
   table.num_tiles = tiles;
-  const int grid = grid_for(tiles, max_ctas);
-  reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
-  check_launch("reduce_kernel<<<>>>");
-  return grid;
+  LaunchInfo info;
+  if (shape.tiles_per_cta <= 0) {  // persistent: one launch over every tile
+    const int grid = grid_for(tiles, shape.max_ctas);
+    reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table, 0, tiles);
+    check_launch("reduce_kernel<<<>>>");
+    return {1, grid};
+  }
+  // Short-lived CTAs: waves of at most `cap` CTAs, each CTA at most tiles_per_cta tiles.
+  const int64_t cap = grid_for(tiles, shape.max_ctas);
+  const int64_t per_cta = shape.tiles_per_cta;
+  const int64_t per_wave = cap * per_cta;
+  for (int64_t begin = 0; begin < tiles; begin += per_wave) {
+    const int64_t end = std::min(tiles, begin + per_wave);
+    const int grid = static_cast<int>((end - begin + per_cta - 1) / per_cta);
+    reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table, begin, end);
+    check_launch("reduce_kernel<<<>>>");
+    info.launches += 1;
+    info.max_ctas = std::max(info.max_ctas, grid);
+  }
+  return info;
 }
 
 }  // namespace
@@ -399,6 +422,13 @@ LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ct
 
 LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
                           int max_ctas, cudaStream_t stream) {
+  return launch_reduces(specs, num_specs, num_sources, ReduceGrid{max_ctas, 0}, stream);
+}
+
+LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
+                          const ReduceGrid& shape, cudaStream_t stream) {
+  TIDE_CHECK_ARG(shape.tiles_per_cta <= kMaxTilesPerCta, "launch_reduces", "tiles_per_cta",
+                 shape.tiles_per_cta, detail::concat("<= ", kMaxTilesPerCta));
   TIDE_CHECK_ARG(num_sources >= 1 && num_sources <= kMaxSources, "launch_reduces", "num_sources",
                  num_sources, detail::concat("in [1, ", kMaxSources, "]"));
   std::vector<ReduceTask> tasks;
@@ -424,19 +454,19 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
       std::min<std::size_t>(128, static_cast<std::size_t>(kMaxSources / num_sources));
   for (std::size_t first = 0; first < tasks.size();) {
     const std::size_t remaining = tasks.size() - first;
-    int grid = 0;
+    LaunchInfo table_info;
     std::size_t n = 0;
     if (small_fits && remaining <= 16) {
       n = remaining;
-      grid = launch_reduce_table<SmallReduceTable>(tasks, sources, num_sources, first, n, max_ctas,
-                                                   stream);
+      table_info = launch_reduce_table<SmallReduceTable>(tasks, sources, num_sources, first, n,
+                                                         shape, stream);
     } else {
       n = std::min(remaining, large_per_launch);
-      grid = launch_reduce_table<LargeReduceTable>(tasks, sources, num_sources, first, n, max_ctas,
-                                                   stream);
+      table_info = launch_reduce_table<LargeReduceTable>(tasks, sources, num_sources, first, n,
+                                                         shape, stream);
     }
-    info.launches += 1;
-    info.max_ctas = std::max(info.max_ctas, grid);
+    info.launches += table_info.launches;
+    info.max_ctas = std::max(info.max_ctas, table_info.max_ctas);
     first += n;
   }
   return info;

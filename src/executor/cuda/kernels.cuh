@@ -67,13 +67,30 @@ int default_max_ctas();
 // calls this before any wait can be enqueued.
 void preload_kernels();
 
+// How a reduce uses the SMs (the executor's CudaReduceBudget without the stream priority, which
+// is the caller's choice of stream). Which CTA computes a tile never changes its arithmetic, so
+// every grid gives bitwise the same results.
+struct ReduceGrid {
+  // CTAs resident at once, at most; <= 0: default_max_ctas().
+  int max_ctas = 0;
+  // <= 0: persistent, today's default: one launch of min(tiles, max_ctas) CTAs grid-striding over
+  // every tile. > 0: short-lived CTAs: launches ("waves", in stream order) of at most max_ctas CTAs
+  // covering max_ctas x tiles_per_cta tiles each, every CTA handling at most tiles_per_cta tiles
+  // and exiting, so SMs free up for other kernels during the reduce, not only after it.
+  int tiles_per_cta = 0;
+};
+inline constexpr int kMaxTilesPerCta = 1 << 20;
+
 // Enqueue the casts (any src/dst types) / reduces on `stream`. Grids are min(tiles, max_ctas).
 // Throw tide::SystemError on a launch error, InvalidArgument for more than kMaxSources sources
 // per task.
 LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ctas,
                         cudaStream_t stream);
+// Persistent (ReduceGrid{max_ctas, 0}).
 LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
                           int max_ctas, cudaStream_t stream);
+LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
+                          const ReduceGrid& grid, cudaStream_t stream);
 
 // The CUDA IPC network's receive (CudaReach::kHost): dst[0:bytes] = peer_data[*offset:][0:bytes],
 // the offset read on the device from the mailbox entry the sender posted (the receiver's host does

@@ -177,11 +177,38 @@ std::size_t CudaExecutor::Impl::enqueue_reduces(const std::vector<Step>& steps, 
                        element_type(reduce.src_dtype), element_type(reduce.dst_dtype),
                        element_type(reduce.partial_dtype)});
   }
-  launch_timed(KernelKind::kReduce, stream, [&] {
-    return cuda_kernels::launch_reduces(reduces.data(), reduces.size(),
-                                        static_cast<int>(num_sources), 0, stream);
-  });
+  launch_reduce_batch(reduces, static_cast<int>(num_sources));
   return i;
+}
+
+// The reduce kernels under the executor's budget (CudaReduceBudget): the grid shape, and with
+// low_priority a lowest-priority stream of the executor's, fenced by events both ways so the
+// stream order of the program is kept (the stream waits for the reduce before its next step).
+void CudaExecutor::Impl::launch_reduce_batch(const std::vector<cuda_kernels::ReduceSpec>& reduces,
+                                             int num_sources) {
+  const cuda_kernels::ReduceGrid grid{reduce_budget.max_ctas, reduce_budget.tiles_per_cta};
+  if (!reduce_budget.low_priority) {
+    launch_timed(KernelKind::kReduce, stream, [&] {
+      return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), num_sources, grid, stream);
+    });
+    return;
+  }
+  if (!reduce_stream) {
+    int least = 0, greatest = 0;
+    TIDE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    TIDE_CUDA_CHECK(cudaStreamCreateWithPriority(&reduce_stream, cudaStreamNonBlocking, least));
+  }
+  use_stream(reduce_stream);
+  const cudaEvent_t before = take_event(), after = take_event();
+  TIDE_CUDA_CHECK(cudaEventRecord(before, stream));
+  TIDE_CUDA_CHECK(cudaStreamWaitEvent(reduce_stream, before, 0));
+  launch_timed(KernelKind::kReduce, reduce_stream, [&] {
+    return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), num_sources, grid,
+                                        reduce_stream);
+  });
+  TIDE_CUDA_CHECK(cudaEventRecord(after, reduce_stream));
+  TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, after, 0));
+  recycle_events({before, after});  // both waits are enqueued (they capture the records)
 }
 
 void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
