@@ -246,9 +246,15 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             result.pools.append(pool)
             for b in members:
                 b.attach(pool)
-    # Where torch offers FSDP's all-gather layout hook (>= 2.15), all-gathers go through it.
-    replacements = _layout.install(result.buckets)
-    _hooks.acquire(replacements)
+    # Where torch offers FSDP's all-gather layout hook (>= 2.15), all-gathers go through it. The
+    # hooks first (their lookup can fail, installing none), then the layouts, undone if one fails.
+    _hooks.acquire(_layout.replacements_for(result.buckets))
+    try:
+        _layout.install(result.buckets)
+    except BaseException:
+        _layout.uninstall(result.buckets)
+        _hooks.release()
+        raise
     for b in result.buckets:
         for fp in b.fsdp_params:
             # A stock all-gather may have run before: its tensors must not back TIDE's params.

@@ -9,6 +9,7 @@ one line, a version outside the range tide.fsdp is written and tested against.
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_common as common
 from torch.distributed.fsdp._fully_shard import _fsdp_param as param_module
@@ -36,6 +37,14 @@ HOOK_TARGETS = {
     "foreach_reduce_scatter_copy_in": (collectives, "foreach_reduce_scatter_copy_in"),
     "free_unsharded_param": (param_module.FSDPParam, "free_unsharded_param"),
 }
+# The parameters TIDE's dispatchers read from each hooked call, by name (_hooks.Call).
+READ_PARAMETERS = {
+    "foreach_all_gather": ("fsdp_params", "all_gather_comm", "all_gather_stream"),
+    "foreach_reduce": ("fsdp_params", "unsharded_grads", "reduce_scatter_comm", "reduce_dtype",
+                       "gradient_divide_factor"),
+}
+
+
 def hook_locations(name: str) -> list:
     """(owner, attribute) pairs where FSDP2 keeps the function `name`: where it calls it from and
     where it is defined (other code may have rebound either)."""
@@ -115,9 +124,11 @@ def state_fallback_reason(param_group) -> str:
     if state != TrainingState.IDLE:
         return f"is in FSDP2 training state {state.name} (inside forward or backward): call it between steps"
     if backward_pending(param_group):
+        way_out = ("call model.reset_iter_state() first" if hasattr(FSDPModule, "reset_iter_state")
+                   else "run a training step first")
         return ("has run a forward whose backward has not finished: autograd holds the unsharded "
                 "parameters that forward built, so their gradients would be lost; call it after "
-                "the backward (after a torch.no_grad() forward: after the next training step)")
+                f"the backward (after a torch.no_grad() forward, where no backward follows: {way_out})")
     for fp in param_group.fsdp_params:
         if fp.sharded_state != ShardedState.SHARDED:
             return (f"is {fp.sharded_state.name} (unsharded by unshard() or reshard_after_forward=False): "
@@ -221,7 +232,6 @@ def forget_unsharded(fp) -> None:
 
 def layout_api():
     """PyTorch's all-gather layout module when this torch offers the backend-owned layout (else None)."""
-    from torch.distributed.fsdp import FSDPModule
     if not hasattr(FSDPModule, "set_all_gather_layout"):
         return None
     try:
@@ -238,7 +248,6 @@ def has_all_gather_layout() -> bool:
 def layout_owner(param_group):
     """The FSDP module whose set_all_gather_layout reaches exactly this param group (None when its
     module holds several groups: the setter is per module, a layout instance per group)."""
-    from torch.distributed.fsdp import FSDPModule
     for m in getattr(param_group, "modules", ()):
         if isinstance(m, FSDPModule):
             groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []
@@ -264,6 +273,10 @@ def remove_all_gather_layout(param_group) -> None:
     api = layout_api()
     layout_owner(param_group).set_all_gather_layout(
         getattr(api, "DEFAULT_ALL_GATHER_LAYOUT", None) or api.DefaultAllGatherLayout())
+    if type(getattr(param_group, "_all_gather_comm", None)).__name__ == "TideAllGatherComm":
+        # Installing the default layout is expected to install its comm too (not verified against
+        # a real 2.15): a stock all-gather must never reach a disabled bucket's comm.
+        param_group._all_gather_comm = collectives.DefaultAllGather()
     for fp in param_group.fsdp_params:
         fp._keep_all_gather_output_storage = False
     # FSDP-owned persistent buffers (none for a backend-owned layout). The attribute is the fake's

@@ -7,7 +7,7 @@ two-line dispatcher (``_DISPATCH[name](*args, **kwargs)``) and keeps a clone of 
 Every reference then reaches TIDE: FSDP2's module global, a wrapper's captured original (installed
 before TIDE or after), and a restored original. TIDE is never half-on. What it cannot see is code
 that replaces a function with one that never calls the original; the bucket notices
-(``_bucket.Bucket.check_gathered``) and raises. docs/ARCHITECTURE.md says why this design.
+(``_bucket.Bucket.owns`` and ``on_params_freed``) and raises. docs/ARCHITECTURE.md says why this design.
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ class _Hook:
         # call (inspect's bind costs ~50 us, more than TIDE's own host work per bucket).
         self.positions = {p.name: i for i, p in enumerate(self.signature.parameters.values())
                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        missing = [p for p in _fsdp2.READ_PARAMETERS.get(name, ()) if p not in self.positions]
+        if missing:  # at enable, not as a KeyError inside a step
+            raise RuntimeError(f"tide.fsdp: torch {_fsdp2.torch.__version__}'s FSDP2 {name} has no "
+                               f"parameter {', '.join(missing)} (its signature is {self.signature}): "
+                               "its internals changed; tide.fsdp's version adapter (_fsdp2.py) "
+                               "does not know this version")
         namespace: dict = {}
         exec(f"def {self.func.__name__}(*args, **kwargs):\n"
              f"    return {_DISPATCH_GLOBAL}[{name!r}](*args, **kwargs)\n", namespace)

@@ -119,20 +119,26 @@ def layout_for(bucket):
     return _classes[id(api)][0](bucket)
 
 
-def install(buckets) -> dict:
-    """Installs a TIDE layout on every bucket the version's layout hook can reach; returns the hook
-    replacements TIDE still needs (all five when some bucket's all-gather stays hooked)."""
-    via_layout = 0
-    if _fsdp2.has_all_gather_layout():
-        for b in buckets:
-            if _fsdp2.layout_owner(b.param_group) is None:
-                continue  # a module with several param groups: the setter would be ambiguous
-            b.ag_layout = layout_for(b)
-            _fsdp2.install_all_gather_layout(b.param_group, b.ag_layout)
-            via_layout += 1
-    if buckets and via_layout == len(buckets):
+def _reachable(bucket) -> bool:
+    """Whether the version's layout hook can take this bucket's all-gather (not for a module with
+    several param groups: the setter would be ambiguous)."""
+    return _fsdp2.has_all_gather_layout() and _fsdp2.layout_owner(bucket.param_group) is not None
+
+
+def replacements_for(buckets) -> dict:
+    """The hook replacements TIDE needs beside its layouts: the reduce-scatter's two when every
+    bucket's all-gather goes through a layout, else all five."""
+    if buckets and all(_reachable(b) for b in buckets):
         return {name: _dispatch.REPLACEMENTS[name] for name in RS_HOOKS}
     return _dispatch.REPLACEMENTS
+
+
+def install(buckets) -> None:
+    """Installs a TIDE layout on every bucket the version's layout hook can reach."""
+    for b in buckets:
+        if _reachable(b):
+            b.ag_layout = layout_for(b)
+            _fsdp2.install_all_gather_layout(b.param_group, b.ag_layout)
 
 
 def uninstall(buckets) -> None:
