@@ -36,12 +36,27 @@ std::vector<std::pair<std::size_t, std::size_t>> merged(std::vector<Interval> v)
   return out;
 }
 
-// Whether the union of `writes` covers [begin, end).
-bool covered(const std::vector<Interval>& writes, std::size_t begin, std::size_t end) {
-  for (const auto& [b, e] : merged(writes))
-    if (b <= begin && end <= e) return true;
-  return false;
-}
+// The bytes a rank has written into its own window so far, for read-after-write checks (merged
+// only when read after a write: 2-D ops read row by row).
+class OwnWrites {
+ public:
+  void add(std::size_t begin, std::size_t end, int writer) {
+    writes_.push_back({begin, end, writer});
+    stale_ = true;
+  }
+  bool covers(std::size_t begin, std::size_t end) {
+    if (stale_) merged_ = merged(writes_), stale_ = false;
+    // The last merged run starting at or before `begin` is the only one that can hold it.
+    auto it = std::upper_bound(merged_.begin(), merged_.end(), begin,
+                               [](std::size_t b, const auto& run) { return b < run.first; });
+    return it != merged_.begin() && end <= std::prev(it)->second;
+  }
+
+ private:
+  std::vector<Interval> writes_;
+  std::vector<std::pair<std::size_t, std::size_t>> merged_;
+  bool stale_ = false;
+};
 
 }  // namespace
 
@@ -81,7 +96,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
                  : params[i].valid_numel(r) * dtype_size(params[i].shard_dtype);
     };
     std::set<int> waited_free, waited_data, signalled_data;
-    std::vector<Interval> own_writes;
+    OwnWrites own_writes;
     std::vector<int> reduces(num_params, 0);
 
     for (std::size_t s = 0; s < program.steps.size(); ++s) {
@@ -104,7 +119,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
       auto record_write = [&](int window, std::size_t offset, std::size_t bytes) {
         if (bytes == 0) return;
         writes[window].push_back({offset, offset + bytes, r});
-        if (window == r) own_writes.push_back({offset, offset + bytes, r});
+        if (window == r) own_writes.add(offset, offset + bytes, r);
       };
       const Step& step = program.steps[s];
       if (static_cast<int>(step.phase) > static_cast<int>(Phase::kReduce)) fail(program, s, "bad phase");
@@ -191,7 +206,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
                   if (src != from)
                     fail(program, s, detail::concat("copy to slot(", i, ", ", r, ") of rank ", q,
                                                     " row ", j, " reads the wrong source"));
-                  if (src.space == Space::kWindow && !covered(own_writes, src.offset, src.offset + c.bytes))
+                  if (src.space == Space::kWindow && !own_writes.covers(src.offset, src.offset + c.bytes))
                     fail(program, s, "copy reads own window bytes nothing wrote");
                   record_write(q, dst, c.bytes);
                 }
@@ -236,7 +251,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
                   fail(program, s, detail::concat("reduce source ", src, " is not slot(", op.param,
                                                   ", ", src, ") of the own window"));
                 if (src == r) {  // the own chunk of a param sharded on a dim > 0, staged
-                  if (!covered(own_writes, a.offset, a.offset + bytes))
+                  if (!own_writes.covers(a.offset, a.offset + bytes))
                     fail(program, s, "reduce reads the own staged chunk before it is written");
                 } else if (!waited_data.count(src)) {
                   fail(program, s, detail::concat("reduce reads rank ", src,
