@@ -69,13 +69,13 @@ class TinyMoE(nn.Module):
         return self.head(x).float()
 
 
-def make_moe():
+def make_moe(w1_dim=2):
     """Experts sharded on their hidden dim (w1 on dim 2, w2 on dim 1), embed and head on dim 0."""
     with _construct:
         torch.manual_seed(0)
         model = TinyMoE()
     for layer in model.layers:
-        placements = {id(layer.w1): Shard(2), id(layer.w2): Shard(1)}
+        placements = {id(layer.w1): Shard(w1_dim), id(layer.w2): Shard(1)}
         fully_shard(layer, shard_placement_fn=lambda p, placements=placements: placements.get(id(p)))
     fully_shard(model)
     return model
@@ -145,3 +145,13 @@ def test_inner_shard_dims_across_nodes_fall_back_naming_the_param():
         assert set(reasons) == {"layers.0", "layers.1"}, handle.fallbacks
         assert "layers.0.w1 is sharded on dim 2 and the group spans nodes" in reasons["layers.0"], reasons
         assert len(handle.buckets) == 1  # the root (dim 0) across two virtual nodes
+
+
+def test_ranks_that_shard_a_param_on_different_dims_get_desync_error():
+    def rank_fn(rank):
+        return tide.fsdp.enable(make_moe(w1_dim=2 if rank == 0 else 1), timeout_ms=20000)
+
+    results = threaded_world.run(2, rank_fn, raise_errors=False)
+    for rank, r in enumerate(results):
+        assert isinstance(r, tide.DesyncError), f"rank {rank}: {r!r}"
+        assert "sharded on dim 2 vs layers.0.w1 [2, 8, 16]" in str(r), str(r)

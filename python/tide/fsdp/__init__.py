@@ -148,9 +148,10 @@ def _specs(param_group, param_name) -> list:
 
 def _identity(path: str, param_group, reason: str, param_name) -> list:
     """What every rank of the group must agree on about one param group: its place in the FSDP
-    tree, its params' names, shapes and dtypes, and whether TIDE takes it."""
+    tree, its params' names, shapes, dtypes and shard dims, and whether TIDE takes it."""
     params = [[param_name(fp, i), list(fp._orig_size), str(_fsdp2.dtypes(fp, param_group)[0]),
-               str(_fsdp2.dtypes(fp, param_group)[1])] for i, fp in enumerate(param_group.fsdp_params)]
+               str(_fsdp2.dtypes(fp, param_group)[1]), fp.fsdp_placement.dim]
+              for i, fp in enumerate(param_group.fsdp_params)]
     return [path, params, reason]
 
 
