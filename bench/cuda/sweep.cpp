@@ -98,7 +98,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       BCHECK(cudaMemsetAsync(mismatches.ptr, 0, sizeof(unsigned long long), stream));
       for (std::size_t i = 0; i < layout.num_params(); ++i) {
         const ParamLayout& p = layout.param(i);
-        const ParamGeometry g{p.dim0, p.row_numel, p.rows_per_rank, p.shard_numel,
+        const ParamGeometry g{p.shard_dim_size, p.row_numel, p.rows_per_rank, p.shard_numel,
                               element_type(p.dtype), element_type(p.shard_dtype)};
         if (collective == Collective::kAllGather)
           launch_check_all_gather(window->data(rank) + p.window_offset, g, world, kSeedBase,

@@ -1,16 +1,23 @@
-// layout: FSDP2's dim-0 sharding, and the param-major window that folds it into addressing.
+// layout: FSDP2's sharding, and the param-major window that folds it into addressing.
 //
-// A bucket is one FSDP2 param group. Every param i is sharded on dim 0 exactly as FSDP2 does it:
-// each rank holds c_i = ceil(d0_i / W) rows (trailing ranks short or empty, zero padded), i.e. a
-// padded shard of S_i = c_i * R_i elements (R_i = product of the other dims). The bucket's window
-// is laid out param-major:
+// A bucket is one FSDP2 param group. Every param i is sharded on its shard dim k (FSDP2's
+// Shard(k); 0 unless shard_placement_fn says otherwise) exactly as FSDP2 does it. With
+// d = shape[k], O = prod(shape[:k]) "outer rows" (1 for k = 0) and R = prod(shape[k+1:]), each rank
+// holds c = ceil(d / W) of the d slices (trailing ranks short or empty, zero padded; FSDP2 allows
+// that on dim 0 only, and k > 0 needs d % W == 0), i.e. a padded shard of S = O * c * R elements,
+// contiguous. In the unsharded param, rank r's part is its *block*: O rows of I = c * R elements,
+// the first at element r * I, one every W * I elements (for k = 0 one row: the rank's rows).
+//
+// The bucket's window is laid out param-major:
 //
 //   offset(i)   = align(offset(i-1) + W * S_{i-1} * elem_size_{i-1})     (alignment >= 256 B)
-//   param i     = window[offset(i), offset(i) + d0_i * R_i elements)      -- its unsharded storage
-//   slot(i, r)  = window[offset(i) + r * S_i, offset(i) + (r+1) * S_i)   -- rank r's rows
+//   param i     = window[offset(i), offset(i) + numel_i elements)        -- its unsharded storage
+//   block(i, r) = O_i rows of I_i elements at offset(i) + r * I_i, pitch W * I_i   -- all-gather
+//   slot(i, r)  = window[offset(i) + r * S_i, offset(i) + (r+1) * S_i)   -- reduce-scatter staging
 //
-// so the all-gather's output *is* every param's unsharded storage, and a slot vacated by the
-// all-gather is where the reduce-scatter stages rank r's gradient chunk.
+// so the all-gather's output *is* every param's unsharded storage, and the window it vacates is
+// where the reduce-scatter stages rank r's gradient chunk, contiguously in slot(i, r). For k = 0 a
+// block is the slot.
 #pragma once
 
 #include <cstddef>
@@ -40,6 +47,7 @@ struct ParamSpec {
   std::vector<int64_t> shape;         // unsharded shape; {} is a 0-d tensor
   DType dtype = DType::kBF16;         // unsharded / communication dtype: what the window holds
   DType shard_dtype = DType::kFP32;   // sharded master dtype: all-gather input, reduce-scatter output
+  int shard_dim = 0;                  // FSDP2's Shard(k): in [0, ndim) (0 for a 0-d tensor)
 };
 
 struct ParamLayout {
@@ -47,18 +55,24 @@ struct ParamLayout {
   std::vector<int64_t> shape;
   DType dtype;
   DType shard_dtype;
-  int64_t dim0;           // d0 (1 for a 0-d tensor)
-  int64_t row_numel;      // R
-  int64_t rows_per_rank;  // c = ceil(d0 / W)
-  int64_t shard_numel;    // S = c * R
-  std::size_t elem_size;  // of dtype
-  std::size_t window_offset;  // bytes, aligned
+  int shard_dim;               // k
+  int64_t shard_dim_size;      // d = shape[k] (1 for a 0-d tensor)
+  int64_t outer_rows;          // O = prod(shape[:k]) (1 for k = 0)
+  int64_t row_numel;           // R = prod(shape[k+1:])
+  int64_t rows_per_rank;       // c = ceil(d / W) (d / W for k > 0)
+  int64_t shard_numel;         // S = O * c * R
+  std::size_t elem_size;       // of dtype
+  std::size_t window_offset;   // bytes, aligned
+  std::size_t block_pitch;     // bytes between a block's rows: W * c * R * elem_size
 
-  int64_t numel() const { return dim0 * row_numel; }
-  int64_t valid_rows(int rank) const;   // rows rank really owns (<= c, may be 0)
-  int64_t valid_numel(int rank) const { return valid_rows(rank) * row_numel; }
+  int64_t numel() const { return outer_rows * shard_dim_size * row_numel; }
+  int64_t valid_rows(int rank) const;   // slices of dim k rank really owns (<= c, may be 0)
+  int64_t valid_numel(int rank) const { return outer_rows * valid_rows(rank) * row_numel; }
   std::size_t slot_bytes() const { return static_cast<std::size_t>(shard_numel) * elem_size; }
   std::size_t slot_offset(int rank) const { return window_offset + rank * slot_bytes(); }
+  // One row of a block (I elements), and where rank r's block starts.
+  std::size_t block_bytes() const { return static_cast<std::size_t>(rows_per_rank * row_numel) * elem_size; }
+  std::size_t block_offset(int rank) const { return window_offset + rank * block_bytes(); }
   std::size_t unsharded_bytes() const { return static_cast<std::size_t>(numel()) * elem_size; }
 };
 
@@ -69,8 +83,9 @@ class BucketLayout {
   // No window (per rank) may exceed this: keeps every offset computation far from overflow.
   static constexpr std::size_t kMaxWindowBytes = std::size_t{1} << 48;
 
-  // Throws InvalidArgument on an empty bucket, a non-positive dim, an unknown dtype, a bad topology
-  // or alignment (a power of two in [256 B, 1 GiB]), or a window over kMaxWindowBytes.
+  // Throws InvalidArgument on an empty bucket, a non-positive dim, an unknown dtype, a shard dim
+  // outside the shape, a dim k > 0 that W does not divide, a bad topology or alignment (a power of
+  // two in [256 B, 1 GiB]), or a window over kMaxWindowBytes.
   BucketLayout(std::vector<ParamSpec> params, Topology topology,
                std::size_t alignment = kMinAlignment);
 
@@ -82,6 +97,8 @@ class BucketLayout {
   std::size_t num_params() const { return params_.size(); }
   // Bytes of data in one rank's window (a multiple of the alignment).
   std::size_t window_bytes() const { return window_bytes_; }
+  // Whether some param is sharded on a dim other than 0.
+  bool has_inner_shard_dims() const;
   // The (param, slot) a window byte offset falls in, or {-1, -1} in alignment padding or past the
   // last param.
   std::pair<int, int> locate(std::size_t offset) const;

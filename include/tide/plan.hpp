@@ -47,10 +47,21 @@ struct Address {
 enum class FlagKind : uint8_t { kSlotFree = 0, kDataReady = 1 };
 inline constexpr int kNumFlagKinds = 2;
 
+// `rows` rows of `bytes` bytes: row j from src + j * src_pitch to dst + j * dst_pitch (rows = 1 is
+// a plain copy, pitches unused). 2-D copies move a param's block when it is sharded on a dim > 0
+// (layout.hpp); rows must not overlap (pitch >= bytes), so every executor may run them in any order.
 struct CopyOp {
   Address dst;
   Address src;
-  std::size_t bytes;
+  std::size_t bytes;  // per row
+  std::size_t rows = 1;
+  std::size_t src_pitch = 0;
+  std::size_t dst_pitch = 0;
+
+  std::size_t total_bytes() const { return rows * bytes; }
+  // Bytes from the first row's start to the last row's end.
+  std::size_t src_extent() const { return rows > 1 ? (rows - 1) * src_pitch + bytes : bytes; }
+  std::size_t dst_extent() const { return rows > 1 ? (rows - 1) * dst_pitch + bytes : bytes; }
 };
 
 // A batch of copies a copy engine may run in any order and in parallel.
@@ -58,14 +69,24 @@ struct CopyBatch {
   std::vector<CopyOp> copies;
 };
 
-// dst[0:count] = convert(src[0:count]); dst[count:count+pad] = 0.
+// dst[0:count] = convert(src[0:count]); dst[count:count+pad] = 0. With rows > 1 (an all-gather
+// shard of a param sharded on a dim > 0, cast into its strided block) the source is rows x count
+// contiguous elements and row j goes to dst + j * dst_pitch bytes: dst_row_j[0:count] =
+// convert(src[j * count:(j + 1) * count]); pad is then 0 (such shards are never padded).
 struct CastOp {
   Address dst;
   Address src;
-  int64_t count;
+  int64_t count;  // per row
   int64_t pad;
   DType src_dtype;
   DType dst_dtype;
+  int64_t rows = 1;
+  std::size_t dst_pitch = 0;  // bytes, rows > 1
+
+  std::size_t dst_extent() const {
+    const std::size_t row = static_cast<std::size_t>(count + pad) * dtype_size(dst_dtype);
+    return rows > 1 ? (rows - 1) * dst_pitch + row : row;
+  }
 };
 
 // Writes (epoch, tag) into flag[kind][self] of `peer`'s window.
@@ -185,17 +206,22 @@ struct ReduceOptions {
 };
 
 // Rank `rank`'s program for the all-gather of `layout`: cast its shard of every param into its own
-// slot (zero padding), take the slot-free handshake, push its slots to the same slots on every peer
-// (peers in staggered order r+1, r+2, ... to spread incoming traffic), signal data-ready, wait.
+// block (zero padding; a strided cast for a param sharded on a dim > 0), take the slot-free
+// handshake, push its blocks to the same blocks on every peer (2-D copies for dims > 0; peers in
+// staggered order r+1, r+2, ... to spread incoming traffic), signal data-ready, wait.
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket = 0);
 
 // Rank `rank`'s program for the reduce-scatter of `layout`'s gradients: slot-free handshake (peers
 // must be done with the params before their vacated slots take gradient chunks), push chunk q of
-// every gradient into rank q's slot(i, rank), signal data-ready, wait, reduce.
+// every gradient into rank q's slot(i, rank), signal data-ready, wait, reduce. Chunk q of a param
+// sharded on a dim > 0 is its block q of the gradient, read in place by a 2-D copy and staged
+// contiguously; the own block is staged in the own slot(i, rank) the same way, so every reduce
+// reads contiguous chunks.
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
                             uint32_t bucket = 0);
 
-// Multi-node versions (layout.topology().nodes > 1; with one node they equal the ones above).
+// Multi-node versions (layout.topology().nodes > 1; with one node they equal the ones above). They
+// take params sharded on dim 0 only (InvalidArgument otherwise).
 //
 // All-gather: node-local delivery as on one node (copy pushes into local peers' slots), and between
 // nodes recursive doubling among rail peers (same local rank): at step k node n exchanges every

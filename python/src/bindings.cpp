@@ -105,30 +105,37 @@ NB_MODULE(_tide, m) {
 
   nb::class_<ParamSpec>(m, "ParamSpec")
       .def("__init__", [](ParamSpec* s, std::string name, std::vector<int64_t> shape, DType dtype,
-                          DType shard_dtype) {
-        new (s) ParamSpec{std::move(name), std::move(shape), dtype, shard_dtype};
-      }, "name"_a, "shape"_a, "dtype"_a = DType::kBF16, "shard_dtype"_a = DType::kFP32)
+                          DType shard_dtype, int shard_dim) {
+        new (s) ParamSpec{std::move(name), std::move(shape), dtype, shard_dtype, shard_dim};
+      }, "name"_a, "shape"_a, "dtype"_a = DType::kBF16, "shard_dtype"_a = DType::kFP32,
+         nb::kw_only(), "shard_dim"_a = 0)
       .def_ro("name", &ParamSpec::name)
       .def_ro("shape", &ParamSpec::shape)
       .def_ro("dtype", &ParamSpec::dtype)
-      .def_ro("shard_dtype", &ParamSpec::shard_dtype);
+      .def_ro("shard_dtype", &ParamSpec::shard_dtype)
+      .def_ro("shard_dim", &ParamSpec::shard_dim);
 
   nb::class_<ParamLayout>(m, "ParamLayout")
       .def_ro("name", &ParamLayout::name)
       .def_ro("shape", &ParamLayout::shape)
       .def_ro("dtype", &ParamLayout::dtype)
       .def_ro("shard_dtype", &ParamLayout::shard_dtype)
-      .def_ro("dim0", &ParamLayout::dim0)
+      .def_ro("shard_dim", &ParamLayout::shard_dim)
+      .def_ro("shard_dim_size", &ParamLayout::shard_dim_size)
+      .def_ro("outer_rows", &ParamLayout::outer_rows)
       .def_ro("row_numel", &ParamLayout::row_numel)
       .def_ro("rows_per_rank", &ParamLayout::rows_per_rank)
       .def_ro("shard_numel", &ParamLayout::shard_numel)
       .def_ro("elem_size", &ParamLayout::elem_size)
       .def_ro("window_offset", &ParamLayout::window_offset)
+      .def_ro("block_pitch", &ParamLayout::block_pitch)
+      .def_prop_ro("block_bytes", &ParamLayout::block_bytes)
       .def_prop_ro("numel", &ParamLayout::numel)
       .def_prop_ro("slot_bytes", &ParamLayout::slot_bytes)
       .def("valid_rows", &ParamLayout::valid_rows, "rank"_a)
       .def("valid_numel", &ParamLayout::valid_numel, "rank"_a)
-      .def("slot_offset", &ParamLayout::slot_offset, "rank"_a);
+      .def("slot_offset", &ParamLayout::slot_offset, "rank"_a)
+      .def("block_offset", &ParamLayout::block_offset, "rank"_a);
 
   nb::class_<BucketLayout>(m, "BucketLayout")
       .def(nb::init<std::vector<ParamSpec>, Topology, std::size_t>(), "params"_a, "topology"_a,
@@ -273,6 +280,7 @@ NB_MODULE(_tide, m) {
       .def_ro("network_cta_us", &CudaExecutor::Stats::network_cta_us)
       .def_ro("network_groups", &CudaExecutor::Stats::network_groups)
       .def_ro("copies", &CudaExecutor::Stats::copies)
+      .def_ro("copies_2d", &CudaExecutor::Stats::copies_2d)
       .def_ro("kernel_launches", &CudaExecutor::Stats::kernel_launches);
   nb::class_<CudaExecutor>(m, "CudaExecutor")
       .def("__init__", [](CudaExecutor* e, CudaWindow& w, uintptr_t stream,

@@ -104,22 +104,47 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
           "an operation");
     if (const auto* cast = std::get_if<CastOp>(&step.op)) {
       if (!check_count(i, "count", cast->count) || !check_count(i, "pad", cast->pad) ||
-          !check_dtype(i, "src_dtype", cast->src_dtype) || !check_dtype(i, "dst_dtype", cast->dst_dtype))
+          !check_count(i, "rows", cast->rows) || !check_dtype(i, "src_dtype", cast->src_dtype) ||
+          !check_dtype(i, "dst_dtype", cast->dst_dtype))
         return false;
       CHECK(cast->dst.space == Space::kWindow && cast->dst.index == rank,
             detail::concat("steps[", i, "].dst"), "another buffer",
             detail::concat("the own window (window[", rank, "])"));
-      if (!check(i, "", -1, "src", cast->src, cast->count * dtype_size(cast->src_dtype), false) ||
-          !check(i, "", -1, "dst", cast->dst, (cast->count + cast->pad) * dtype_size(cast->dst_dtype),
-                 true))
+      const std::size_t dst_size = dtype_size(cast->dst_dtype);
+      CHECK(cast->rows >= 1, detail::concat("steps[", i, "].rows"), cast->rows, ">= 1");
+      if (cast->rows > 1) {  // a strided destination: whole elements apart, rows apart, no padding
+        CHECK(cast->pad == 0, detail::concat("steps[", i, "].pad"), cast->pad, "0 when rows > 1");
+        CHECK(cast->dst_pitch % dst_size == 0 && cast->dst_pitch >= cast->count * dst_size &&
+                  cast->dst_pitch <= BucketLayout::kMaxWindowBytes / (cast->rows - 1),
+              detail::concat("steps[", i, "].dst_pitch"), cast->dst_pitch,
+              detail::concat("a multiple of ", dst_size, " B, >= the row's ", cast->count * dst_size,
+                             " B, and rows x pitch <= 2^48"));
+        CHECK(cast->count <= static_cast<int64_t>(BucketLayout::kMaxWindowBytes) / cast->rows,
+              detail::concat("steps[", i, "].rows"), cast->rows, "rows x count <= 2^48");
+      }
+      if (!check(i, "", -1, "src", cast->src, cast->rows * cast->count * dtype_size(cast->src_dtype),
+                 false) ||
+          !check(i, "", -1, "dst", cast->dst, cast->dst_extent(), true))
         return false;
     } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
       for (std::size_t k = 0; k < batch->copies.size(); ++k) {
         const CopyOp& c = batch->copies[k];
-        CHECK(c.bytes <= BucketLayout::kMaxWindowBytes,
-              detail::concat("steps[", i, "].copies[", k, "].bytes"), c.bytes, "<= 2^48");
-        if (!check(i, "copies", static_cast<long>(k), ".src", c.src, c.bytes, false) ||
-            !check(i, "copies", static_cast<long>(k), ".dst", c.dst, c.bytes, true))
+        const auto field = [&](const char* name) {
+          return detail::concat("steps[", i, "].copies[", k, "].", name);
+        };
+        CHECK(c.bytes <= BucketLayout::kMaxWindowBytes, field("bytes"), c.bytes, "<= 2^48");
+        CHECK(c.rows >= 1 && c.rows <= BucketLayout::kMaxWindowBytes, field("rows"), c.rows,
+              "in [1, 2^48]");
+        if (c.rows > 1) {  // rows apart (any order is correct) and the extent within 2^48
+          CHECK(c.src_pitch >= c.bytes && c.src_pitch <= BucketLayout::kMaxWindowBytes / (c.rows - 1),
+                field("src_pitch"), c.src_pitch,
+                detail::concat(">= bytes (", c.bytes, ") and rows x pitch <= 2^48"));
+          CHECK(c.dst_pitch >= c.bytes && c.dst_pitch <= BucketLayout::kMaxWindowBytes / (c.rows - 1),
+                field("dst_pitch"), c.dst_pitch,
+                detail::concat(">= bytes (", c.bytes, ") and rows x pitch <= 2^48"));
+        }
+        if (!check(i, "copies", static_cast<long>(k), ".src", c.src, c.src_extent(), false) ||
+            !check(i, "copies", static_cast<long>(k), ".dst", c.dst, c.dst_extent(), true))
           return false;
       }
     } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {

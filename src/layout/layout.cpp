@@ -23,8 +23,8 @@ void Topology::validate() const {
 
 int64_t ParamLayout::valid_rows(int rank) const {
   const int64_t start = rank * rows_per_rank;
-  if (start >= dim0) return 0;
-  return std::min(rows_per_rank, dim0 - start);
+  if (start >= shard_dim_size) return 0;
+  return std::min(rows_per_rank, shard_dim_size - start);
 }
 
 static std::string shape_string(const std::vector<int64_t>& shape) {
@@ -48,15 +48,21 @@ BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std:
   for (std::size_t i = 0; i < specs.size(); ++i) {
     ParamSpec& spec = specs[i];
     const std::string where = detail::concat("BucketLayout: param ", i, " ('", spec.name, "')");
-    int64_t row_numel = 1;
-    for (std::size_t k = 0; k < spec.shape.size(); ++k) {
+    const int ndim = static_cast<int>(spec.shape.size());
+    TIDE_CHECK_ARG(spec.shard_dim == 0 || (spec.shard_dim > 0 && spec.shard_dim < ndim), where,
+                   "shard_dim", spec.shard_dim,
+                   detail::concat("in [0, ", std::max(ndim, 1), ") for shape ", shape_string(spec.shape)));
+    // Products of the dims before, at and after the shard dim, each checked against 2^40 elements
+    // as it grows (so is the whole: O * d * R below).
+    int64_t outer = 1, row_numel = 1;
+    for (int k = 0; k < ndim; ++k) {
       TIDE_CHECK_ARG(spec.shape[k] > 0, where, detail::concat("shape[", k, "]"), spec.shape[k],
                      "> 0");
-      if (k > 0) {
-        TIDE_CHECK_ARG(row_numel <= (int64_t{1} << 40) / spec.shape[k], where, "shape",
-                       shape_string(spec.shape), "fewer than 2^40 elements");
-        row_numel *= spec.shape[k];
-      }
+      if (k == spec.shard_dim) continue;
+      int64_t& product = k < spec.shard_dim ? outer : row_numel;
+      TIDE_CHECK_ARG(product <= (int64_t{1} << 40) / spec.shape[k], where, "shape",
+                     shape_string(spec.shape), "fewer than 2^40 elements");
+      product *= spec.shape[k];
     }
     auto known = [](DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DType::kFP32; };
     TIDE_CHECK_ARG(known(spec.dtype), where, "dtype", static_cast<int>(spec.dtype),
@@ -68,14 +74,24 @@ BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std:
     p.shape = spec.shape;
     p.dtype = spec.dtype;
     p.shard_dtype = spec.shard_dtype;
-    p.dim0 = spec.shape.empty() ? 1 : spec.shape[0];
+    p.shard_dim = spec.shard_dim;
+    p.shard_dim_size = ndim == 0 ? 1 : spec.shape[spec.shard_dim];
+    p.outer_rows = outer;
     p.row_numel = row_numel;
-    TIDE_CHECK_ARG(p.dim0 <= (int64_t{1} << 40) / row_numel, where, "shape",
-                   shape_string(spec.shape), "fewer than 2^40 elements");
-    p.rows_per_rank = (p.dim0 + world - 1) / world;
-    p.shard_numel = p.rows_per_rank * row_numel;
+    TIDE_CHECK_ARG(outer <= (int64_t{1} << 40) / row_numel &&
+                       p.shard_dim_size <= (int64_t{1} << 40) / (outer * row_numel),
+                   where, "shape", shape_string(spec.shape), "fewer than 2^40 elements");
+    // FSDP2 pads only dim 0; on another dim every rank holds d / W slices, contiguous.
+    TIDE_CHECK_ARG(spec.shard_dim == 0 || p.shard_dim_size % world == 0, where,
+                   detail::concat("shape[", spec.shard_dim, "] (shard_dim ", spec.shard_dim, ")"),
+                   p.shard_dim_size,
+                   detail::concat("a multiple of W = ", world,
+                                  " (FSDP2 shards dims other than 0 evenly only)"));
+    p.rows_per_rank = (p.shard_dim_size + world - 1) / world;
+    p.shard_numel = outer * p.rows_per_rank * row_numel;
     p.elem_size = dtype_size(spec.dtype);
     p.window_offset = offset;
+    p.block_pitch = static_cast<std::size_t>(world) * p.block_bytes();
     // Each term is < 2^63 (slot < 2^42 B, W <= 2^20), so only the running sum needs a check.
     const std::size_t param_bytes = static_cast<std::size_t>(world) * p.slot_bytes();
     TIDE_CHECK_ARG(param_bytes <= kMaxWindowBytes - offset &&
@@ -95,6 +111,10 @@ const ParamLayout& BucketLayout::param(std::size_t i) const {
   return params_[i];
 }
 
+bool BucketLayout::has_inner_shard_dims() const {
+  return std::any_of(params_.begin(), params_.end(), [](const ParamLayout& p) { return p.shard_dim > 0; });
+}
+
 std::pair<int, int> BucketLayout::locate(std::size_t offset) const {
   const auto it = std::upper_bound(params_.begin(), params_.end(), offset,
                                    [](std::size_t o, const ParamLayout& p) { return o < p.window_offset; });
@@ -111,8 +131,9 @@ std::string BucketLayout::describe() const {
      << " node(s) x " << topology_.local << "), window " << window_bytes_ << " B per rank\n";
   for (const ParamLayout& p : params_) {
     os << "  " << (p.name.empty() ? "<unnamed>" : p.name) << " " << shape_string(p.shape) << " "
-       << dtype_name(p.dtype) << "/" << dtype_name(p.shard_dtype) << ": c = " << p.rows_per_rank
-       << " rows, S = " << p.shard_numel << " elems, offset " << p.window_offset << ", slots "
+       << dtype_name(p.dtype) << "/" << dtype_name(p.shard_dtype);
+    if (p.shard_dim > 0) os << " on dim " << p.shard_dim << " (" << p.outer_rows << " outer rows)";
+    os << ": c = " << p.rows_per_rank << " rows, S = " << p.shard_numel << " elems, offset " << p.window_offset << ", slots "
        << world() << " x " << p.slot_bytes() << " B\n";
   }
   return os.str();

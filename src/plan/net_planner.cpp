@@ -113,6 +113,7 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
   const Topology& t = layout.topology();
   if (t.nodes <= 1) return detail::plan_all_gather_one_node(layout, rank, bucket);
   check_net(net, "plan_all_gather");
+  detail::check_dim0_sharding(layout, "plan_all_gather");
   Program program = detail::empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
   const auto& params = layout.params();
   const int N = t.nodes, L = t.local, n = t.node_of(rank), l = t.local_rank_of(rank);

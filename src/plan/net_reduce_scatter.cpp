@@ -253,6 +253,7 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
   const Topology& t = layout.topology();
   if (t.nodes <= 1) return detail::plan_reduce_scatter_one_node(layout, rank, options, bucket);
   detail::check_net(net, "plan_reduce_scatter");
+  detail::check_dim0_sharding(layout, "plan_reduce_scatter");
   detail::check_reduce_options(layout, options);
   Program program =
       detail::empty_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");

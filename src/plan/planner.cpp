@@ -29,11 +29,21 @@ void detail::add_cast_in(Program& program, const BucketLayout& layout) {
   const auto& params = layout.params();
   for (std::size_t i = 0; i < params.size(); ++i) {
     const ParamLayout& p = params[i];
-    const int64_t valid = p.valid_numel(rank);
-    program.steps.push_back({Phase::kCastIn, CastOp{win(rank, p.slot_offset(rank)),
+    const int64_t valid = p.valid_rows(rank) * p.row_numel;
+    const int64_t pad = p.rows_per_rank * p.row_numel - valid;
+    program.steps.push_back({Phase::kCastIn, CastOp{win(rank, p.block_offset(rank)),
                                                    {Space::kInput, static_cast<int>(i), 0}, valid,
-                                                   p.shard_numel - valid, p.shard_dtype, p.dtype}});
+                                                   pad, p.shard_dtype, p.dtype, p.outer_rows,
+                                                   p.outer_rows > 1 ? p.block_pitch : 0}});
   }
+}
+
+void detail::check_dim0_sharding(const BucketLayout& layout, const char* where) {
+  for (const ParamLayout& p : layout.params())
+    TIDE_CHECK_ARG(p.shard_dim == 0, where, detail::concat("param '", p.name, "' shard_dim"),
+                   p.shard_dim,
+                   detail::concat("0 with ", layout.topology().nodes,
+                                  " nodes (multi-node plans shard on dim 0 only)"));
 }
 
 namespace {
@@ -63,6 +73,24 @@ void add_pushes(Program& program, const std::vector<int>& peers, MakeBatch make_
     program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
   }
   for (int q : peers) program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
+}
+
+// Rank `to`'s copy of rank `from`'s block of param i: the same block in both windows (a 2-D copy
+// when the param is sharded on a dim > 0).
+CopyOp block_push(const ParamLayout& p, int to, int from) {
+  const std::size_t offset = p.block_offset(from);
+  return {win(to, offset), win(from, offset), p.block_bytes(), static_cast<std::size_t>(p.outer_rows),
+          p.outer_rows > 1 ? p.block_pitch : 0, p.outer_rows > 1 ? p.block_pitch : 0};
+}
+
+// Chunk q of param i's gradient (its block q, read in place) into slot(i, from) of rank q's
+// window, contiguously. q == from stages the own chunk (dims > 0, where the reduce cannot read it
+// from the gradient as one contiguous run).
+CopyOp chunk_push(const ParamLayout& p, int i, int q, int from) {
+  const std::size_t row = static_cast<std::size_t>(p.valid_rows(q) * p.row_numel) * p.elem_size;
+  return {win(q, p.slot_offset(from)), {Space::kInput, i, q * p.block_bytes()}, row,
+          static_cast<std::size_t>(p.outer_rows), p.outer_rows > 1 ? p.block_pitch : 0,
+          p.outer_rows > 1 ? row : 0};
 }
 
 }  // namespace
@@ -101,9 +129,7 @@ Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t 
   add_slot_free_signals(program, peers);
   add_pushes(program, peers, [&](int q) {
     CopyBatch batch;
-    for (const ParamLayout& p : params)
-      batch.copies.push_back(
-          {win(q, p.slot_offset(rank)), win(rank, p.slot_offset(rank)), p.slot_bytes()});
+    for (const ParamLayout& p : params) batch.copies.push_back(block_push(p, q, rank));
     return batch;
   });
   return program;
@@ -117,16 +143,15 @@ Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
   const auto& params = layout.params();
   const std::vector<int> peers = staggered_peers(rank, layout.world());
   add_slot_free_signals(program, peers);
+  CopyBatch own;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (params[i].shard_dim > 0) own.copies.push_back(chunk_push(params[i], static_cast<int>(i), rank, rank));
+  if (!own.copies.empty()) program.steps.push_back({Phase::kPush, std::move(own)});
   add_pushes(program, peers, [&](int q) {
     CopyBatch batch;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const ParamLayout& p = params[i];
-      const int64_t n = p.valid_numel(q);
-      if (n == 0) continue;
-      batch.copies.push_back({win(q, p.slot_offset(rank)),
-                              {Space::kInput, static_cast<int>(i), q * p.slot_bytes()},
-                              static_cast<std::size_t>(n) * p.elem_size});
-    }
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (params[i].valid_numel(q) > 0)
+        batch.copies.push_back(chunk_push(params[i], static_cast<int>(i), q, rank));
     return batch;
   });
   const float scale = options.kind == ReduceKind::kAvg
@@ -139,9 +164,9 @@ Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
     ReduceOp reduce{static_cast<int>(i), {}, {Space::kOutput, static_cast<int>(i), 0}, n,
                     p.dtype, p.shard_dtype, options.prescale, scale, options.accumulate};
     for (int src = 0; src < layout.world(); ++src)
-      reduce.sources.push_back(src == rank ? Address{Space::kInput, static_cast<int>(i),
-                                                     rank * p.slot_bytes()}
-                                           : win(rank, p.slot_offset(src)));
+      reduce.sources.push_back(src == rank && p.shard_dim == 0
+                                   ? Address{Space::kInput, static_cast<int>(i), rank * p.slot_bytes()}
+                                   : win(rank, p.slot_offset(src)));
     program.steps.push_back({Phase::kReduce, std::move(reduce)});
   }
   return program;

@@ -20,8 +20,10 @@ void check_net(const NetOptions& net, const char* where);
 // A program with its header filled in and no steps; checks rank and bucket (`where` names the API).
 Program empty_program(Collective collective, const BucketLayout& layout, int rank, uint32_t bucket,
                       const char* where);
-// The all-gather's first steps: every param's input shard cast into the own slot, zero padded.
+// The all-gather's first steps: every param's input shard cast into the own block, zero padded.
 void add_cast_in(Program& program, const BucketLayout& layout);
+// Multi-node plans shard on dim 0 only: InvalidArgument naming the first param that does not.
+void check_dim0_sharding(const BucketLayout& layout, const char* where);
 // Local peers of `rank` on its node, staggered (local + 1, local + 2, ...).
 std::vector<int> local_peers(const Topology& t, int rank);
 // Elements of one reduce-scatter staging chunk (sized for fp32 whatever the wire dtype).

@@ -33,7 +33,7 @@ std::size_t Program::bytes_pushed() const {
   std::size_t total = 0;
   for (const Step& step : steps)
     if (const auto* batch = std::get_if<CopyBatch>(&step.op))
-      for (const CopyOp& c : batch->copies) total += c.bytes;
+      for (const CopyOp& c : batch->copies) total += c.total_bytes();
   return total;
 }
 
@@ -49,14 +49,20 @@ std::string Program::to_string() const {
           using T = std::decay_t<decltype(op)>;
           if constexpr (std::is_same_v<T, CopyBatch>) {
             std::size_t bytes = 0;
-            for (const CopyOp& c : op.copies) bytes += c.bytes;
+            for (const CopyOp& c : op.copies) bytes += c.total_bytes();
             os << "copy batch: " << op.copies.size() << " copies, " << bytes << " B\n";
-            for (const CopyOp& c : op.copies)
-              os << "      " << c.src << " -> " << c.dst << " (" << c.bytes << " B)\n";
+            for (const CopyOp& c : op.copies) {
+              os << "      " << c.src << " -> " << c.dst << " (" << c.bytes << " B";
+              if (c.rows > 1)
+                os << " x " << c.rows << " rows, pitch " << c.src_pitch << " -> " << c.dst_pitch;
+              os << ")\n";
+            }
           } else if constexpr (std::is_same_v<T, CastOp>) {
             os << "cast " << op.src << " -> " << op.dst << " (" << dtype_name(op.src_dtype)
                << "->" << dtype_name(op.dst_dtype) << ", " << op.count << " elems + " << op.pad
-               << " zero pad)\n";
+               << " zero pad";
+            if (op.rows > 1) os << " x " << op.rows << " rows, dst pitch " << op.dst_pitch;
+            os << ")\n";
           } else if constexpr (std::is_same_v<T, SignalOp>) {
             os << "signal " << flag_name(op.kind) << " -> rank " << op.peer << "\n";
           } else if constexpr (std::is_same_v<T, WaitOp>) {

@@ -36,6 +36,28 @@ std::vector<std::pair<std::size_t, std::size_t>> merged(std::vector<Interval> v)
   return out;
 }
 
+// The bytes a rank has written into its own window so far, for read-after-write checks (merged
+// only when read after a write: 2-D ops read row by row).
+class OwnWrites {
+ public:
+  void add(std::size_t begin, std::size_t end, int writer) {
+    writes_.push_back({begin, end, writer});
+    stale_ = true;
+  }
+  bool covers(std::size_t begin, std::size_t end) {
+    if (stale_) merged_ = merged(writes_), stale_ = false;
+    // The last merged run starting at or before `begin` is the only one that can hold it.
+    auto it = std::upper_bound(merged_.begin(), merged_.end(), begin,
+                               [](std::size_t b, const auto& run) { return b < run.first; });
+    return it != merged_.begin() && end <= std::prev(it)->second;
+  }
+
+ private:
+  std::vector<Interval> writes_;
+  std::vector<std::pair<std::size_t, std::size_t>> merged_;
+  bool stale_ = false;
+};
+
 }  // namespace
 
 void verify_net_programs(const BucketLayout& layout, const std::vector<Program>& programs);
@@ -74,7 +96,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
                  : params[i].valid_numel(r) * dtype_size(params[i].shard_dtype);
     };
     std::set<int> waited_free, waited_data, signalled_data;
-    std::vector<Interval> own_writes;
+    OwnWrites own_writes;
     std::vector<int> reduces(num_params, 0);
 
     for (std::size_t s = 0; s < program.steps.size(); ++s) {
@@ -94,10 +116,10 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
           fail(program, s, detail::concat(what, ": [", a.offset, ", ", a.offset + bytes,
                                           ") outside its buffer of ", limit, " B"));
       };
-      auto record_write = [&](const Address& dst, std::size_t bytes) {
+      auto record_write = [&](int window, std::size_t offset, std::size_t bytes) {
         if (bytes == 0) return;
-        writes[dst.index].push_back({dst.offset, dst.offset + bytes, r});
-        if (dst.index == r) own_writes.push_back({dst.offset, dst.offset + bytes, r});
+        writes[window].push_back({offset, offset + bytes, r});
+        if (window == r) own_writes.add(offset, offset + bytes, r);
       };
       const Step& step = program.steps[s];
       if (static_cast<int>(step.phase) > static_cast<int>(Phase::kReduce)) fail(program, s, "bad phase");
@@ -107,57 +129,87 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
             if constexpr (std::is_same_v<T, CastOp>) {
               if (op.dst.space != Space::kWindow || op.dst.index != r)
                 fail(program, s, "cast must write the own window");
-              if (op.count < 0 || op.pad < 0) fail(program, s, "negative cast size");
+              if (op.count < 0 || op.pad < 0 || op.rows < 1) fail(program, s, "negative cast size");
               if (op.src.space != Space::kInput) fail(program, s, "cast must read an input");
               if (collective != Collective::kAllGather) fail(program, s, "a reduce-scatter has no casts");
-              const auto [i, slot] = locate(op.dst.offset);
-              if (i < 0 || slot != r || op.dst.offset != params[i].slot_offset(r))
-                fail(program, s, "cast must write the own slot of a param");
+              const int i = locate(op.dst.offset).first;
+              if (i < 0 || op.dst.offset != params[i].block_offset(r))
+                fail(program, s, "cast must write the own block of a param");
               const ParamLayout& p = params[i];
-              if (op.src != Address{Space::kInput, i, 0} || op.count != p.valid_numel(r) ||
-                  op.pad != p.shard_numel - op.count || op.src_dtype != p.shard_dtype ||
+              const int64_t valid = p.valid_rows(r) * p.row_numel;
+              if (op.src != Address{Space::kInput, i, 0} || op.count != valid ||
+                  op.pad != p.rows_per_rank * p.row_numel - valid || op.rows != p.outer_rows ||
+                  (op.rows > 1 && op.dst_pitch != p.block_pitch) || op.src_dtype != p.shard_dtype ||
                   op.dst_dtype != p.dtype)
-                fail(program, s, detail::concat("cast into slot(", i, ", ", r, ") is not param ", i,
-                                                "'s shard (source, count, padding or dtypes)"));
-              check_bounds(op.src, op.count * dtype_size(op.src_dtype), "cast source");
-              const std::size_t bytes = (op.count + op.pad) * dtype_size(op.dst_dtype);
-              check_bounds(op.dst, bytes, "cast destination");
-              record_write(op.dst, bytes);
+                fail(program, s, detail::concat("cast into block(", i, ", ", r, ") is not param ", i,
+                                                "'s shard (source, count, padding, rows, pitch or dtypes)"));
+              check_bounds(op.src, op.rows * op.count * dtype_size(op.src_dtype), "cast source");
+              check_bounds(op.dst, op.dst_extent(), "cast destination");
+              const std::size_t row_bytes = (op.count + op.pad) * dtype_size(op.dst_dtype);
+              for (int64_t j = 0; j < op.rows; ++j)
+                record_write(r, op.dst.offset + j * op.dst_pitch, row_bytes);
             } else if constexpr (std::is_same_v<T, CopyBatch>) {
               for (const CopyOp& c : op.copies) {
-                check_bounds(c.src, c.bytes, "copy source");
-                check_bounds(c.dst, c.bytes, "copy destination");
-                if (c.dst.space != Space::kWindow || c.dst.index == r)
-                  fail(program, s, "copies must write a peer's window");
+                if (c.rows < 1 || (c.rows > 1 && (c.src_pitch < c.bytes || c.dst_pitch < c.bytes)))
+                  fail(program, s, detail::concat("copy of ", c.rows, " rows of ", c.bytes,
+                                                  " B with pitches ", c.src_pitch, "/", c.dst_pitch,
+                                                  ": rows overlap or none"));
+                check_bounds(c.src, c.src_extent(), "copy source");
+                check_bounds(c.dst, c.dst_extent(), "copy destination");
+                if (c.dst.space != Space::kWindow) fail(program, s, "copies must write a window");
                 const int q = c.dst.index;
-                if (!waited_free.count(q))
+                // A reduce-scatter stages the own chunk of a param sharded on a dim > 0 (the own
+                // window needs no handshake); anything else goes to peers.
+                if (q == r && collective == Collective::kAllGather)
+                  fail(program, s, "all-gather copies must write a peer's window");
+                if (q != r && !waited_free.count(q))
                   fail(program, s, detail::concat("copy to rank ", q, " before its slot-free wait"));
                 if (signalled_data.count(q))
                   fail(program, s, detail::concat("copy to rank ", q, " after its data-ready signal"));
                 if (c.src.space == Space::kOutput) fail(program, s, "copies may not read outputs");
-                // Provenance: rank r writes only slot(i, r) of a peer, from where that slot's bytes
-                // live: its own slot (all-gather) or chunk q of param i's gradient (reduce-scatter).
-                const auto [i, slot] = locate(c.dst.offset);
-                if (i < 0 || slot != r ||
-                    c.dst.offset + c.bytes > params[i].slot_offset(r) + params[i].slot_bytes())
-                  fail(program, s, detail::concat("copy to rank ", q, " does not stay inside slot(i, ",
-                                                  r, ") of one param"));
-                const std::size_t within = c.dst.offset - params[i].slot_offset(r);
-                const Address from =
-                    collective == Collective::kAllGather
-                        ? Address{Space::kWindow, r, c.dst.offset}
-                        : Address{Space::kInput, i, q * params[i].slot_bytes() + within};
-                if (c.src != from)
-                  fail(program, s, detail::concat("copy to slot(", i, ", ", r, ") of rank ", q,
-                                                  " reads the wrong source"));
-                if (c.src.space == Space::kWindow) {
-                  if (c.src.index != r) fail(program, s, "copies may read only the own window");
-                  const bool written = std::any_of(own_writes.begin(), own_writes.end(), [&](auto& w) {
-                    return w.begin <= c.src.offset && c.src.offset + c.bytes <= w.end;
-                  });
-                  if (!written) fail(program, s, "copy reads own window bytes nothing wrote");
+                if (c.src.space == Space::kWindow && c.src.index != r)
+                  fail(program, s, "copies may read only the own window");
+                for (std::size_t j = 0; j < c.rows; ++j) {
+                  const std::size_t dst = c.dst.offset + j * c.dst_pitch;
+                  const Address src{c.src.space, c.src.index, c.src.offset + j * c.src_pitch};
+                  const auto [i, slot] = locate(dst);
+                  if (i < 0)
+                    fail(program, s, detail::concat("copy to rank ", q, " row ", j,
+                                                    " writes no param's bytes"));
+                  const ParamLayout& p = params[i];
+                  const std::size_t rel = dst - p.window_offset;
+                  // Provenance: rank r writes only its own part of a peer's param, from where those
+                  // bytes live. All-gather: a row of block(i, r), from the same bytes of the own
+                  // window. Reduce-scatter: slot(i, r), chunk q of the gradient staged row by row
+                  // (rows of rank q's valid slices), from block q of the gradient in place.
+                  Address from{};
+                  if (collective == Collective::kAllGather) {
+                    const std::size_t col = rel % p.block_pitch;
+                    if (col / p.block_bytes() != static_cast<std::size_t>(r) ||
+                        col % p.block_bytes() + c.bytes > p.block_bytes())
+                      fail(program, s, detail::concat("copy to rank ", q, " row ", j,
+                                                      " does not stay inside a row of block(", i,
+                                                      ", ", r, ")"));
+                    from = {Space::kWindow, r, dst};
+                  } else {
+                    const std::size_t row_bytes = p.valid_rows(q) * p.row_numel * p.elem_size;
+                    const std::size_t within = rel - static_cast<std::size_t>(slot) * p.slot_bytes();
+                    const std::size_t row = row_bytes == 0 ? 0 : within / row_bytes;
+                    const std::size_t col = within - row * row_bytes;
+                    if (slot != r || row_bytes == 0 || row >= static_cast<std::size_t>(p.outer_rows) ||
+                        col + c.bytes > row_bytes)
+                      fail(program, s, detail::concat("copy to rank ", q, " row ", j,
+                                                      " does not stay inside a row of slot(", i,
+                                                      ", ", r, ")'s chunk"));
+                    from = {Space::kInput, i, row * p.block_pitch + q * p.block_bytes() + col};
+                  }
+                  if (src != from)
+                    fail(program, s, detail::concat("copy to slot(", i, ", ", r, ") of rank ", q,
+                                                    " row ", j, " reads the wrong source"));
+                  if (src.space == Space::kWindow && !own_writes.covers(src.offset, src.offset + c.bytes))
+                    fail(program, s, "copy reads own window bytes nothing wrote");
+                  record_write(q, dst, c.bytes);
                 }
-                record_write(c.dst, c.bytes);
               }
             } else if constexpr (std::is_same_v<T, SignalOp>) {
               if (op.peer < 0 || op.peer >= world || op.peer == r) fail(program, s, "bad signal peer");
@@ -190,7 +242,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
               for (int src = 0; src < world; ++src) {
                 const Address& a = op.sources[src];
                 check_bounds(a, bytes, "reduce source");
-                if (src == r) {
+                if (src == r && p.shard_dim == 0) {
                   if (a != Address{Space::kInput, op.param, r * p.slot_bytes()})
                     fail(program, s, "reduce must read the own chunk from its param's gradient");
                   continue;
@@ -198,9 +250,13 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
                 if (a.space != Space::kWindow || a.index != r || a.offset != p.slot_offset(src))
                   fail(program, s, detail::concat("reduce source ", src, " is not slot(", op.param,
                                                   ", ", src, ") of the own window"));
-                if (!waited_data.count(src))
+                if (src == r) {  // the own chunk of a param sharded on a dim > 0, staged
+                  if (!own_writes.covers(a.offset, a.offset + bytes))
+                    fail(program, s, "reduce reads the own staged chunk before it is written");
+                } else if (!waited_data.count(src)) {
                   fail(program, s, detail::concat("reduce reads rank ", src,
                                                   "'s chunk before its data-ready wait"));
+                }
               }
             }
           },
@@ -267,7 +323,8 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
       } else {
         const std::size_t n = p.valid_numel(q) * p.elem_size;
         for (int src = 0; src < world; ++src)
-          if (src != q && n > 0) expected.push_back({p.slot_offset(src), p.slot_offset(src) + n, src});
+          if ((src != q || p.shard_dim > 0) && n > 0)
+            expected.push_back({p.slot_offset(src), p.slot_offset(src) + n, src});
       }
     }
     if (merged(sorted) != merged(expected))

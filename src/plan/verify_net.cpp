@@ -87,6 +87,9 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
     throw Error(detail::concat("verify_programs: ", programs.size(), " programs, expected W = ", world));
   if (world > kMaxTrackedWorld)
     throw Error(detail::concat("verify_programs: W = ", world, " > ", kMaxTrackedWorld));
+  if (layout.has_inner_shard_dims())
+    throw Error("verify_programs: a multi-node layout with a param sharded on a dim > 0 (multi-node "
+                "plans shard on dim 0 only)");
   const Collective collective = programs[0].collective;
   const bool ag = collective == Collective::kAllGather;
   const auto& params = layout.params();
@@ -145,10 +148,11 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
               const ParamLayout& p = params[i];
               if (op.src != Address{Space::kInput, i, 0} || op.count != p.valid_numel(r) ||
                   op.pad != p.shard_numel - op.count || op.src_dtype != p.shard_dtype ||
-                  op.dst_dtype != p.dtype)
-                fail(program, s, "cast is not the param's shard (source, count, padding or dtypes)");
+                  op.dst_dtype != p.dtype || op.rows != 1)
+                fail(program, s, "cast is not the param's shard (source, count, padding, dtypes or rows)");
             } else if constexpr (std::is_same_v<T, CopyBatch>) {
               for (const CopyOp& c : op.copies) {
+                if (c.rows != 1) fail(program, s, "a 2-D copy in a multi-node set (dim-0 sharding only)");
                 bounds(c.src, c.bytes, "copy source");
                 bounds(c.dst, c.bytes, "copy destination");
                 if (c.dst.space == Space::kWindow && c.dst.index == r) {

@@ -89,7 +89,9 @@ struct LayoutCase {
   std::string fault;  // the argument the one injected fault is in; "" valid; "*" several faults
 };
 
-std::vector<ParamSpec> small_specs(Rng& rng, int world) {
+// inner_shard_dims: some params of 2 or more dims sharded on a dim > 0 that W divides (one node
+// only: multi-node plans refuse them).
+std::vector<ParamSpec> small_specs(Rng& rng, int world, bool inner_shard_dims) {
   std::vector<ParamSpec> specs(uniform(rng, 1, 5));
   for (std::size_t i = 0; i < specs.size(); ++i) {
     ParamSpec& s = specs[i];
@@ -98,6 +100,10 @@ std::vector<ParamSpec> small_specs(Rng& rng, int world) {
     for (int k = 0; k < ndim; ++k)
       s.shape.push_back(k == 0 ? uniform(rng, 1, 3 * world + 9)
                                : (chance(rng, 0.1) ? uniform(rng, 100, 300) : uniform(rng, 1, 16)));
+    if (inner_shard_dims && ndim >= 2 && chance(rng, 0.3)) {
+      s.shard_dim = static_cast<int>(uniform(rng, 1, ndim - 1));
+      s.shape[s.shard_dim] = world * uniform(rng, 1, 3);
+    }
     s.dtype = pick(rng, {DType::kBF16, DType::kFP16, DType::kFP32});
     s.shard_dtype = chance(rng, 0.25) ? s.dtype : DType::kFP32;
   }
@@ -113,7 +119,24 @@ std::string inject_layout_fault(Rng& rng, LayoutCase& c) {
     if (s.shape.empty()) s.shape.push_back(1);
     return s;
   };
-  switch (rng() % 10) {
+  switch (rng() % 12) {
+    case 10: {
+      ParamSpec& s = c.specs[rng() % c.specs.size()];
+      const int ndim = static_cast<int>(s.shape.size());
+      s.shard_dim = pick<int>(rng, {-1, INT_MIN, std::max(ndim, 1), ndim + 5});
+      return "shard_dim";
+    }
+    case 11: {  // a dim > 0 that W does not divide (FSDP2 requires even sharding there)
+      const int64_t world = int64_t{c.topology.nodes} * c.topology.local;  // may be a faulted topology
+      if (world < 2 || world > 64) {
+        c.specs.front().shard_dim = -1;
+        return "shard_dim";
+      }
+      ParamSpec& s = c.specs[rng() % c.specs.size()];
+      s.shape = {uniform(rng, 1, 4), world * uniform(rng, 1, 3) + uniform(rng, 1, world - 1)};
+      s.shard_dim = 1;
+      return "shape[1] (shard_dim 1)";
+    }
     case 0: c.topology.nodes = pick<int>(rng, {0, -1, INT_MIN}); return "nodes";
     case 1: c.topology.local = pick<int>(rng, {0, -7, INT_MIN}); return "local";
     case 2: c.topology = pick<Topology>(rng, {{1025, 1024}, {1, (1 << 20) + 1}, {INT_MAX, 2}});
@@ -129,11 +152,14 @@ std::string inject_layout_fault(Rng& rng, LayoutCase& c) {
       s.shape[k] = pick<int64_t>(rng, {0, -1, INT64_MIN});
       return "shape[" + std::to_string(k) + "]";
     }
-    case 6:
-      with_dims().shape = pick<std::vector<int64_t>>(
+    case 6: {  // a whole new shape, sharded on dim 0 (the old shard dim may not exist in it)
+      ParamSpec& s = with_dims();
+      s.shard_dim = 0;
+      s.shape = pick<std::vector<int64_t>>(
           rng, {{int64_t{1} << 41}, {1 << 21, 1 << 20}, {3, int64_t{1} << 62}, {INT64_MAX},
                 {1, INT64_MAX}, {2, 1 << 20, 1 << 20}, {INT64_MAX, INT64_MAX}});
       return "shape";
+    }
     case 7: c.specs[rng() % c.specs.size()].dtype = static_cast<DType>(uniform(rng, 3, 255));
       return "dtype";
     case 8: c.specs[rng() % c.specs.size()].shard_dtype = static_cast<DType>(uniform(rng, 3, 255));
@@ -149,7 +175,7 @@ LayoutCase random_layout_case(Rng& rng) {
   LayoutCase c;
   c.topology = {static_cast<int>(uniform(rng, 1, 2)), static_cast<int>(uniform(rng, 1, 8))};
   c.alignment = pick<std::size_t>(rng, {256, 256, 512, 4096, 65536, std::size_t{1} << 30});
-  c.specs = small_specs(rng, c.topology.world());
+  c.specs = small_specs(rng, c.topology.world(), c.topology.nodes == 1);
   const double u = std::uniform_real_distribution<double>(0, 1)(rng);
   if (u < 0.45) return c;
   if (u < 0.9) {
@@ -170,7 +196,7 @@ std::string check_layout(const BucketLayout& l) {
     end = p.window_offset + l.world() * p.slot_bytes();
     int64_t rows = 0;
     for (int r = 0; r < l.world(); ++r) rows += p.valid_rows(r);
-    if (rows != p.dim0) return "rows of " + p.name + " not owned exactly once";
+    if (rows != p.shard_dim_size) return "rows of " + p.name + " not owned exactly once";
   }
   if (end > l.window_bytes() || l.window_bytes() % l.alignment() != 0) return "bad window_bytes";
   return "";
@@ -236,7 +262,7 @@ TEST(Fuzz, PlanArguments) {
   const int n = scaled(20000);
   for (long i = 0; i < n; ++i, ++t.cases) {
     const int world = static_cast<int>(uniform(rng, 1, 8));
-    std::vector<ParamSpec> specs = small_specs(rng, world);
+    std::vector<ParamSpec> specs = small_specs(rng, world, true);
     int rank = static_cast<int>(uniform(rng, 0, world - 1));
     uint32_t bucket = static_cast<uint32_t>(uniform(rng, 0, (int64_t{1} << 31) - 1));
     ReduceOptions o = random_options(rng);
@@ -311,9 +337,11 @@ const Pool& pool() {
   static const Pool p = [] {
     Pool p;
     Rng rng(fuzz_seed() + 2);
+    test::BucketShape inner_dims{5, 1 << 10};
+    inner_dims.inner_shard_dims = true;
     for (int world : {1, 2, 3, 4, 5, 8})
       for (int k = 0; k < 4; ++k)
-        p.layouts.emplace_back(test::random_specs(rng, world, 5, 1 << 10), Topology::single_node(world));
+        p.layouts.emplace_back(test::random_specs(rng, world, inner_dims), Topology::single_node(world));
     for (std::size_t l = 0; l < p.layouts.size(); ++l)
       for (int r = 0; r < p.layouts[l].world(); ++r)
         for (Collective c : {Collective::kAllGather, Collective::kReduceScatter})

@@ -76,8 +76,10 @@ TEST_P(HostExecutorProperty, RandomBucketsAllGatherAndReduceScatter) {
   const int world = GetParam();
   std::mt19937_64 rng(77 + world);
   const int cases = world >= 8 ? 25 : 60;
+  test::BucketShape shape{5, 1 << 13};
+  shape.inner_shard_dims = true;  // params sharded on dims > 0 mixed in
   for (int n = 0; n < cases; ++n) {
-    BucketLayout layout(test::random_specs(rng, world, 5, 1 << 13), Topology::single_node(world));
+    BucketLayout layout(test::random_specs(rng, world, shape), Topology::single_node(world));
     ReduceOptions o;
     o.kind = n % 2 ? ReduceKind::kAvg : ReduceKind::kSum;
     o.prescale = n % 3 == 0 ? 0.25f : 1.0f;

@@ -36,7 +36,7 @@ TEST(Layout, ShardingMatchesFsdp2OverASweep) {
 TEST(Layout, ZeroAndOneDimensionalParams) {
   BucketLayout layout({{"scalar", {}, DType::kFP32, DType::kFP32}, {"bias", {10}, DType::kBF16}},
                       Topology::single_node(4));
-  EXPECT_EQ(layout.param(0).dim0, 1);
+  EXPECT_EQ(layout.param(0).shard_dim_size, 1);
   EXPECT_EQ(layout.param(0).numel(), 1);
   EXPECT_EQ(layout.param(0).valid_rows(0), 1);
   EXPECT_EQ(layout.param(0).valid_rows(1), 0);

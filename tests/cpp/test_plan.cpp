@@ -22,9 +22,10 @@ class PlanProperty : public ::testing::TestWithParam<int> {};
 TEST_P(PlanProperty, ThousandRandomBucketsVerify) {
   const int world = GetParam();
   std::mt19937_64 rng(1000 + world);
-  const int max_params = world >= 64 ? 3 : 6;
+  test::BucketShape shape{world >= 64 ? 3 : 6};
+  shape.inner_shard_dims = true;  // params sharded on dims > 0 mixed in
   for (int n = 0; n < 1000; ++n) {
-    BucketLayout layout(test::random_specs(rng, world, max_params), Topology::single_node(world));
+    BucketLayout layout(test::random_specs(rng, world, shape), Topology::single_node(world));
     ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kAllGather)))
         << layout.describe();
     ReduceOptions o;

@@ -24,6 +24,9 @@ struct BucketShape {
   int wide_one_in = 10;          // a trailing dim is wide with probability 1/this
   int64_t wide_min = 512;        // wide dims in [wide_min, 4096]
   int64_t narrow_max = 24;       // other dims in [1, narrow_max]
+  // Half the params of 2 or more dims sharded on a dim k > 0 (FSDP2's shard_placement_fn), with
+  // shape[k] = W * [1, 3] and narrow other dims.
+  bool inner_shard_dims = false;
 };
 
 inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, const BucketShape& b) {
@@ -51,6 +54,12 @@ inline std::vector<ParamSpec> random_specs(std::mt19937_64& rng, int world, cons
       s.shape.push_back(d);
       numel *= d;
     }
+    if (b.inner_shard_dims && ndim >= 2 && std::uniform_int_distribution<int>(0, 1)(rng) == 1) {
+      s.shard_dim = std::uniform_int_distribution<int>(1, ndim - 1)(rng);
+      for (int k = 0; k < ndim; ++k)
+        s.shape[k] = k == s.shard_dim ? world * std::uniform_int_distribution<int64_t>(1, 3)(rng)
+                                      : std::uniform_int_distribution<int64_t>(1, b.narrow_max)(rng);
+    }
     const DType dtypes[] = {DType::kBF16, DType::kBF16, DType::kFP16, DType::kFP32};
     s.dtype = dtypes[std::uniform_int_distribution<int>(0, 3)(rng)];
     s.shard_dtype = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? s.dtype : DType::kFP32;
@@ -72,6 +81,23 @@ inline float value_at(uint64_t seed, int param, int rank, int64_t k) {
   return static_cast<float>(static_cast<int64_t>(x >> 40) - (1 << 23)) / float(1 << 23);
 }
 
+// Where element k of rank's shard (FSDP2's chunk `rank` of the param along its shard dim,
+// contiguous) sits in the unsharded param: unravel k in the shard's shape, offset the shard dim by
+// rank * c, ravel in the full shape. Derived from the shapes alone, not from the layout's blocks.
+inline int64_t unsharded_index(const ParamLayout& p, int rank, int64_t k) {
+  const int ndim = static_cast<int>(p.shape.size());
+  std::vector<int64_t> index(ndim);
+  for (int d = ndim - 1; d >= 0; --d) {
+    const int64_t extent = d == p.shard_dim ? p.rows_per_rank : p.shape[d];
+    index[d] = k % extent;
+    k /= extent;
+  }
+  int64_t flat = 0;
+  for (int d = 0; d < ndim; ++d)
+    flat = flat * p.shape[d] + index[d] + (d == p.shard_dim ? rank * p.rows_per_rank : 0);
+  return ndim == 0 ? k : flat;
+}
+
 // A typed buffer holding `n` elements of `dtype` filled from value_at (rounded to dtype).
 struct Buffer {
   DType dtype;
@@ -85,17 +111,18 @@ struct Buffer {
 inline Buffer ag_shard(const ParamLayout& p, int param, int rank, uint64_t seed) {
   Buffer b(p.shard_dtype, p.valid_numel(rank));
   for (int64_t k = 0; k < p.valid_numel(rank); ++k)
-    store_from_float(b.data(), p.shard_dtype, k, value_at(seed, param, 0, rank * p.shard_numel + k));
+    store_from_float(b.data(), p.shard_dtype, k, value_at(seed, param, 0, unsharded_index(p, rank, k)));
   return b;
 }
 
-// What every rank's window must hold for param i after the all-gather: W slots, padding zero.
+// What every rank's window must hold for param i after the all-gather: the unsharded param, then
+// zeros to the end of its W slots (dim-0 padding).
 inline std::vector<std::byte> ag_expected(const ParamLayout& p, int param, int world, uint64_t seed) {
   std::vector<std::byte> out(world * p.slot_bytes(), std::byte{0});
   for (int r = 0; r < world; ++r) {
     const Buffer shard = ag_shard(p, param, r, seed);
     for (int64_t k = 0; k < p.valid_numel(r); ++k)
-      store_from_float(out.data(), p.dtype, r * p.shard_numel + k, shard.at(k));
+      store_from_float(out.data(), p.dtype, unsharded_index(p, r, k), shard.at(k));
   }
   return out;
 }
@@ -116,7 +143,7 @@ inline std::vector<double> rs_reference(const ParamLayout& p, int param, int ran
   for (int src = 0; src < world; ++src) {
     Buffer g = rs_grad(p, param, src, seed);
     for (int64_t k = 0; k < p.valid_numel(rank); ++k) {
-      const double term = double(o.prescale) * g.at(rank * p.shard_numel + k);
+      const double term = double(o.prescale) * g.at(unsharded_index(p, rank, k));
       out[k] += magnitude ? std::abs(term) : term;
     }
   }

@@ -248,6 +248,36 @@ TEST(CudaCollectives, LargeBucketVectorAndScalarPaths) {
   run_and_check(s);
 }
 
+// Params sharded on dims > 0 (shard_placement_fn): 2-D copies (cudaMemcpy2DAsync), strided casts
+// (the kernel's vector path when rows are multiples of 8 elements, its scalar path otherwise, and
+// cudaMemcpy2DAsync for equal dtypes), mixed with dim-0 params, AG and RS over one window.
+TEST(CudaCollectives, InnerShardDimsMatchHostExecutorBitwise) {
+  TIDE_REQUIRE_GPU();
+  for (int world : {2, 3, 4}) {
+    std::vector<ParamSpec> specs = {
+        {"experts", {8, 64 * world, 512}, DType::kBF16, DType::kFP32, 1},   // I = 64 x 512: vectors
+        {"w2", {96, 16 * world}, DType::kBF16, DType::kFP32, 1},          // I = 16: vectors per row
+        {"odd", {5, 3 * world, 3}, DType::kFP16, DType::kFP32, 1},         // I = 9: scalar
+        {"same", {7, 5, 8 * world}, DType::kBF16, DType::kBF16, 2},        // equal dtypes: 2-D copy
+        {"embed", {67, 32}, DType::kBF16, DType::kFP32},                   // dim 0, padded
+        {"f", {3, 4 * world}, DType::kFP32, DType::kFP32, 1},
+    };
+    std::mt19937_64 rng(4000 + world);
+    test::BucketShape shape{4, 1 << 14, 64, 300, 4, 256, 40};
+    shape.inner_shard_dims = true;
+    for (const ParamSpec& extra : test::random_specs(rng, world, shape)) specs.push_back(extra);
+    Scenario s{specs,
+               world,
+               {{Collective::kAllGather, {}, 8, 51},
+                {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 8, 52},
+                {Collective::kAllGather, {}, 8, 53},
+                {Collective::kReduceScatter, options(ReduceKind::kSum, 0.5f, 2.0f, true), 8, 54}},
+               2};
+    SCOPED_TRACE("W=" + std::to_string(world));
+    run_and_check(s);
+  }
+}
+
 // One rank: no signals or waits, only the kernels (cast, reduce; vector, scalar and tail paths)
 // and the copies. The case compute-sanitizer checks (scripts/gpu_suite.sh): the sanitizer
 // serialises work, which would deadlock ranks whose streams wait on each other.

@@ -42,6 +42,20 @@ def test_layout_follows_fsdp2_sharding():
     assert "w [10, 3] bf16/fp32: c = 3 rows" in layout.describe()
 
 
+def test_layout_of_a_param_sharded_on_dim_1():
+    spec = tide.ParamSpec("experts", [2, 8, 3], shard_dim=1)
+    assert spec.shard_dim == 1 and tide.ParamSpec("w", [4]).shard_dim == 0
+    layout = tide.BucketLayout([spec], tide.Topology.single_node(4))
+    (p,) = layout.params
+    assert (p.shard_dim, p.shard_dim_size, p.outer_rows, p.rows_per_rank, p.row_numel) == (1, 8, 2, 2, 3)
+    assert (p.shard_numel, p.block_bytes, p.block_pitch, p.block_offset(3)) == (12, 12, 48, 36)
+    tide.verify_programs(layout, [tide.plan_all_gather(layout, r) for r in range(4)])
+    with pytest.raises(ValueError, match=r"shape\[1\] \(shard_dim 1\) = 6, expected a multiple of W = 4"):
+        tide.BucketLayout([tide.ParamSpec("experts", [2, 6, 3], shard_dim=1)], tide.Topology.single_node(4))
+    with pytest.raises(ValueError, match="shard_dim = 3"):
+        tide.BucketLayout([tide.ParamSpec("experts", [2, 8, 3], shard_dim=3)], tide.Topology.single_node(4))
+
+
 def test_plans_print_and_verify():
     layout = tide.BucketLayout([tide.ParamSpec("w", [7, 2])], tide.Topology(1, 3))
     ags = [tide.plan_all_gather(layout, r, bucket=4) for r in range(3)]

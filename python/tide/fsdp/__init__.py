@@ -116,29 +116,42 @@ def _static_fallback_reason(param_group, group, param_name) -> str:
         name = param_name(fp, i)
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
             return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
-        if fp.fsdp_placement.dim != 0:
-            return f"{name} is sharded on dim {fp.fsdp_placement.dim}"
         orig, comm = _fsdp2.dtypes(fp, param_group)
         if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
             return f"{name} has dtype {orig} (communicated as {comm})"
-        d0 = fp._orig_size[0] if len(fp._orig_size) else 1
-        if fp.padded_sharded_param_size[0] != -(-d0 // group.size()):
-            return f"{name}: padded shard {tuple(fp.padded_sharded_param_size)} is not ceil(d0/W) rows"
+        dim = fp.fsdp_placement.dim
+        if dim == 0:
+            d0 = fp._orig_size[0] if len(fp._orig_size) else 1
+            if fp.padded_sharded_param_size[0] != -(-d0 // group.size()):
+                return f"{name}: padded shard {tuple(fp.padded_sharded_param_size)} is not ceil(d0/W) rows"
+        elif fp._orig_size[dim] % group.size() != 0:  # FSDP2 itself refuses this today
+            return f"{name} is sharded on dim {dim} of size {fp._orig_size[dim]}, not a multiple of W = {group.size()}"
+    return ""
+
+
+def _multi_node_reason(param_group, param_name) -> str:
+    """Why a group spanning several nodes stays stock ("" if TIDE can take it)."""
+    for i, fp in enumerate(param_group.fsdp_params):
+        if fp.fsdp_placement.dim != 0:
+            return (f"{param_name(fp, i)} is sharded on dim {fp.fsdp_placement.dim} and the group spans "
+                    "nodes: TIDE's multi-node plans shard on dim 0 only")
     return ""
 
 
 def _specs(param_group, param_name) -> list:
     return [_tide.ParamSpec(param_name(fp, i), list(fp._orig_size),
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[1]],
-                            TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[0]])
+                            TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[0]],
+                            shard_dim=fp.fsdp_placement.dim)
             for i, fp in enumerate(param_group.fsdp_params)]
 
 
 def _identity(path: str, param_group, reason: str, param_name) -> list:
     """What every rank of the group must agree on about one param group: its place in the FSDP
-    tree, its params' names, shapes and dtypes, and whether TIDE takes it."""
+    tree, its params' names, shapes, dtypes and shard dims, and whether TIDE takes it."""
     params = [[param_name(fp, i), list(fp._orig_size), str(_fsdp2.dtypes(fp, param_group)[0]),
-               str(_fsdp2.dtypes(fp, param_group)[1])] for i, fp in enumerate(param_group.fsdp_params)]
+               str(_fsdp2.dtypes(fp, param_group)[1]), fp.fsdp_placement.dim]
+              for i, fp in enumerate(param_group.fsdp_params)]
     return [path, params, reason]
 
 
@@ -201,6 +214,8 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         topology = None
         if not reason:
             topology, reason = topology_for(dist.get_process_group_ranks(group), ranks_per_node)
+            if not reason and topology.nodes > 1:
+                reason = _multi_node_reason(pg, param_name)
         decided.append((bucket_id, path, pg, group, topology, reason))
         if group is not None and group.size() > 1:
             key = tuple(dist.get_process_group_ranks(group))

@@ -110,7 +110,9 @@ def _difference(a, b) -> str:
 
 
 def _param(p) -> str:
-    return "none" if p is None else f"{p[0]} {p[1]} {p[2]}/{p[3]}"
+    if p is None:
+        return "none"
+    return f"{p[0]} {p[1]} {p[2]}/{p[3]}" + (f" sharded on dim {p[4]}" if p[4] else "")
 
 
 def _decision(reason: str) -> str:

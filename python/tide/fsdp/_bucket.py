@@ -210,7 +210,8 @@ class Bucket:
         program = self.rs_programs.get(key)
         if program is None:
             specs = [_tide.ParamSpec(self.layout.params[i].name, list(self.layout.params[i].shape),
-                                     TORCH_TO_TIDE[grad_dtype], TORCH_TO_TIDE[reduce_dtype])
+                                     TORCH_TO_TIDE[grad_dtype], TORCH_TO_TIDE[reduce_dtype],
+                                     shard_dim=self.layout.params[i].shard_dim)
                      for i in subset]
             layout = _tide.BucketLayout(specs, self.layout.topology)
             kind, prescale = options_key

@@ -77,7 +77,8 @@ def foreach_reduce(*args, **kwargs):
     pending.append(comm)
     try:
         args, kwargs = call.with_argument("reduce_scatter_comm", comm)
-        return _hooks.stock("foreach_reduce")(*args, **kwargs)
+        with _fsdp2.gradients_in_place(fsdp_params, grads):
+            return _hooks.stock("foreach_reduce")(*args, **kwargs)
     finally:
         pending.remove(comm)
 

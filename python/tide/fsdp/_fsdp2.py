@@ -8,12 +8,15 @@ one line, a version outside the range tide.fsdp is written and tested against.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_common as common
 from torch.distributed.fsdp._fully_shard import _fsdp_param as param_module
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+from torch.distributed.tensor import Shard
 
 # Written against 2.11 and 2.13 (2.14 is 2.13 for FSDP2); 2.12 and 2.15 read from their sources.
 SUPPORTED = ((2, 11), (2, 15))
@@ -214,6 +217,24 @@ def all_gather_result(output: torch.Tensor, fsdp_params, numels: list, event=Non
                   param_all_gather_input_numels=[[n] for n in numels],
                   all_gather_input_split_sizes=list(numels))
     return AllGatherResult(**{f: fields[f] for f in AllGatherResult._fields})
+
+
+@contextlib.contextmanager
+def gradients_in_place(fsdp_params, grads: list):
+    """Around stock ``foreach_reduce`` for TIDE-RS: stock chunk-cats (copies) the gradient of a
+    param sharded on a dim > 0 into rank-major order before its copy-in, where TIDE reads the
+    gradient's blocks in place. For the call such params look sharded on dim 0 and their gradients
+    (entries of `grads`, the list stock frees) flat views: numel = W x the shard, so stock's dim-0
+    padding adds nothing and its output offsets stay the shards back to back. Data is untouched."""
+    inner = [(i, fp, fp.fsdp_placement) for i, fp in enumerate(fsdp_params) if fp.fsdp_placement.dim != 0]
+    for i, fp, _ in inner:
+        grads[i] = grads[i].view(-1)
+        fp.fsdp_placement = Shard(0)
+    try:
+        yield
+    finally:
+        for _, fp, placement in inner:
+            fp.fsdp_placement = placement
 
 
 def forget_unsharded(fp) -> None:

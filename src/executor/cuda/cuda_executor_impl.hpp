@@ -179,6 +179,8 @@ struct CudaExecutor::Impl {
                               const Resolve& resolve,
                               const std::function<bool(std::size_t)>& batchable);
   void launch_reduce_batch(const std::vector<cuda_kernels::ReduceSpec>& reduces, int num_sources);
+  void enqueue_copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
+                       std::size_t width, std::size_t rows);
   void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
                       std::vector<std::size_t>& sizes);
   void enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag);

@@ -21,6 +21,8 @@ struct CastTask {
   void* dst;
   int64_t count;       // converted elements
   int64_t total;       // count + pad
+  int64_t row;         // elements per destination row (total when contiguous)
+  int64_t dst_pitch;   // elements between destination rows
   int64_t tile_begin;  // first tile of this task in the launch
   uint8_t src_type;
   uint8_t dst_type;
@@ -61,7 +63,8 @@ struct ReduceTable {
 // Kernel parameters may take 32764 bytes (CUDA >= 12.1, Volta and newer). Small tables keep the
 // common launch cheap; large ones serve big buckets and worlds.
 using SmallCastTable = CastTable<16>;
-using LargeCastTable = CastTable<640>;
+constexpr int kLargeCastTasks = 480;
+using LargeCastTable = CastTable<kLargeCastTasks>;
 using SmallReduceTable = ReduceTable<16, 256>;
 using LargeReduceTable = ReduceTable<128, kMaxSources>;
 static_assert(sizeof(LargeCastTable) <= 32764, "cast table exceeds the kernel parameter limit");
@@ -71,25 +74,32 @@ static_assert(sizeof(LargeReduceTable) + 2 * sizeof(int64_t) <= 32764,
 
 // ---- Cast. -----------------------------------------------------------------------------------
 
+// Where element k of the task's destination goes: k itself, or row k / row at its pitch.
+__device__ __forceinline__ int64_t dst_index(const CastTask& task, int64_t k) {
+  return task.row == task.total ? k : (k / task.row) * task.dst_pitch + k % task.row;
+}
+
 template <ElementType Src, ElementType Dst>
 __device__ __forceinline__ void cast_tile(const CastTask& task, int64_t begin, int64_t end) {
-  if (task.vectorized) {
+  if (task.vectorized) {  // strided: rows and pitch are multiples of 8, so a vector stays in a row
     for (int64_t e = begin + threadIdx.x * 8; e < end; e += kThreadsPerCta * 8) {
       if (e + 8 <= task.count) {
         float v[8];
         load8<Src>(task.src, e, v);
-        store8<Dst>(task.dst, e, v);
+        store8<Dst>(task.dst, dst_index(task, e), v);
       } else if (e >= task.count && e + 8 <= end) {
         const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        store8<Dst>(task.dst, e, zeros);
+        store8<Dst>(task.dst, e, zeros);  // padding: contiguous tasks only
       } else {
         for (int64_t k = e; k < min(e + 8, end); ++k)
-          store_scalar<Dst>(task.dst, k, k < task.count ? load_scalar<Src>(task.src, k) : 0.0f);
+          store_scalar<Dst>(task.dst, dst_index(task, k),
+                            k < task.count ? load_scalar<Src>(task.src, k) : 0.0f);
       }
     }
   } else {
     for (int64_t k = begin + threadIdx.x; k < end; k += kThreadsPerCta)
-      store_scalar<Dst>(task.dst, k, k < task.count ? load_scalar<Src>(task.src, k) : 0.0f);
+      store_scalar<Dst>(task.dst, dst_index(task, k),
+                        k < task.count ? load_scalar<Src>(task.src, k) : 0.0f);
   }
 }
 
@@ -405,12 +415,17 @@ LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ct
   for (std::size_t i = 0; i < num_specs; ++i) {
     const CastSpec& s = specs[i];
     if (s.count + s.pad == 0) continue;
-    tasks.push_back({s.src, s.dst, s.count, s.count + s.pad, 0, s.src_type, s.dst_type,
-                     static_cast<uint8_t>(aligned16(s.src) && aligned16(s.dst))});
+    const bool strided = s.rows > 1;
+    const int64_t total = strided ? s.rows * s.count : s.count + s.pad;
+    const bool vectorized = aligned16(s.src) && aligned16(s.dst) &&
+                            (!strided || (s.count % 8 == 0 && s.dst_pitch % 8 == 0));
+    tasks.push_back({s.src, s.dst, strided ? total : s.count, total, strided ? s.count : total,
+                     strided ? s.dst_pitch : total, 0, s.src_type, s.dst_type,
+                     static_cast<uint8_t>(vectorized)});
   }
   LaunchInfo info;
   for (std::size_t first = 0; first < tasks.size();) {
-    const std::size_t n = std::min<std::size_t>(tasks.size() - first, 640);
+    const std::size_t n = std::min<std::size_t>(tasks.size() - first, kLargeCastTasks);
     const int grid = n <= 16 ? launch_cast_table<SmallCastTable>(tasks, first, n, max_ctas, stream)
                              : launch_cast_table<LargeCastTable>(tasks, first, n, max_ctas, stream);
     info.launches += 1;

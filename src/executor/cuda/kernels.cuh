@@ -21,7 +21,8 @@ namespace tide::cuda_kernels {
 // Element types, numbered as tide::DType (checked by a static_assert in cuda_executor.cpp).
 enum ElementType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 
-// dst[0:count] = convert(src[0:count]); dst[count:count+pad] = 0.
+// dst[0:count] = convert(src[0:count]); dst[count:count+pad] = 0. With rows > 1 (a strided
+// destination, pad 0): `count` elements per row, row j from src[j * count] to dst[j * dst_pitch].
 struct CastSpec {
   const void* src;  // may be null when count == 0
   void* dst;
@@ -29,6 +30,8 @@ struct CastSpec {
   int64_t pad;
   ElementType src_type;
   ElementType dst_type;
+  int64_t rows = 1;
+  int64_t dst_pitch = 0;  // elements of dst_type between rows, rows > 1
 };
 
 // dst[k] (+)= scale * sum_{p in order} (prescale * float(sources[p][k])), k < count.

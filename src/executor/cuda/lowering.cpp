@@ -1,9 +1,11 @@
 // The CUDA executor's lowering: a program's steps -> operations on the compute stream.
 //
 //   CopyBatch  -> cudaMemcpyBatchAsync (copy engines preferred, source in stream order);
-//                 one cudaMemcpyAsync per copy where batches are unavailable.
-//   CastOp     -> equal types: a batched copy + cudaMemsetAsync of the pad (no kernel);
-//                 otherwise one cast kernel for all consecutive CastOps.
+//                 one cudaMemcpyAsync per copy where batches are unavailable; 2-D copies (rows > 1)
+//                 one cudaMemcpy2DAsync each (copy engines; the batch API is 1-D only).
+//   CastOp     -> equal types: a batched copy + cudaMemsetAsync of the pad (no kernel), or a
+//                 cudaMemcpy2DAsync for a strided destination; otherwise one cast kernel for all
+//                 consecutive CastOps (strided destinations included).
 //   SignalOp   -> cuStreamWriteValue64 of the tag, then of the epoch, into the peer's FlagWord (each
 //                 write is preceded by a memory barrier: the data before it is visible first).
 //   WaitOp     -> cuStreamWaitValue64(epoch >= e), then cuStreamWaitValue64(tag == t): a peer that
@@ -71,6 +73,10 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
       dsts.clear(), srcs.clear(), sizes.clear();
       for (const CopyOp& c : batch->copies) {
         if (c.bytes == 0) continue;
+        if (c.rows > 1) {
+          enqueue_copy_2d(resolve(c.dst), c.dst_pitch, resolve(c.src), c.src_pitch, c.bytes, c.rows);
+          continue;
+        }
         dsts.push_back(resolve(c.dst));
         srcs.push_back(resolve(c.src));
         sizes.push_back(c.bytes);
@@ -109,7 +115,11 @@ std::size_t CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, st
     const CastOp& cast = std::get<CastOp>(steps[i].op);
     std::byte* dst = resolve(cast.dst);
     const std::size_t dst_size = dtype_size(cast.dst_dtype);
-    if (cast.src_dtype == cast.dst_dtype) {
+    if (cast.rows > 1 && cast.src_dtype == cast.dst_dtype) {  // a strided block, no padding
+      if (cast.count > 0)
+        enqueue_copy_2d(dst, cast.dst_pitch, resolve(cast.src), cast.count * dst_size,
+                        cast.count * dst_size, static_cast<std::size_t>(cast.rows));
+    } else if (cast.src_dtype == cast.dst_dtype) {
       if (cast.count > 0) {
         dsts.push_back(dst);
         srcs.push_back(resolve(cast.src));
@@ -119,7 +129,8 @@ std::size_t CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, st
         TIDE_CUDA_CHECK(cudaMemsetAsync(dst + cast.count * dst_size, 0, cast.pad * dst_size, stream));
     } else {
       casts.push_back({cast.count > 0 ? resolve(cast.src) : nullptr, dst, cast.count, cast.pad,
-                       element_type(cast.src_dtype), element_type(cast.dst_dtype)});
+                       element_type(cast.src_dtype), element_type(cast.dst_dtype), cast.rows,
+                       static_cast<int64_t>(cast.dst_pitch / dst_size)});
     }
   }
   enqueue_copies(dsts, srcs, sizes);
@@ -241,6 +252,16 @@ void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<co
   for (std::size_t i = 0; i < dsts.size(); ++i)
     TIDE_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream));
   stats.single_copy_calls += static_cast<int>(dsts.size());
+}
+
+// A 2-D copy (a block of a param sharded on a dim > 0) on a copy engine. cudaMemcpyBatchAsync
+// takes 1-D copies only, so each is its own call.
+void CudaExecutor::Impl::enqueue_copy_2d(void* dst, std::size_t dst_pitch, const void* src,
+                                         std::size_t src_pitch, std::size_t width, std::size_t rows) {
+  TIDE_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows,
+                                    cudaMemcpyDeviceToDevice, stream));
+  ++stats.copies;
+  ++stats.copies_2d;
 }
 
 void CudaExecutor::Impl::enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag) {

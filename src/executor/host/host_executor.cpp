@@ -114,26 +114,34 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
       }
       // Before a step writes own-window bytes, the sends reading them complete.
       if (const auto* c = std::get_if<CastOp>(&step.op))
-        complete_sends_reading(state, c->dst, (c->count + c->pad) * dtype_size(c->dst_dtype), index);
+        complete_sends_reading(state, c->dst, c->dst_extent(), index);
       else if (const auto* b = std::get_if<CopyBatch>(&step.op))
-        for (const CopyOp& c : b->copies) complete_sends_reading(state, c.dst, c.bytes, index);
+        for (const CopyOp& c : b->copies) complete_sends_reading(state, c.dst, c.dst_extent(), index);
       else if (const auto* r = std::get_if<ReduceOp>(&step.op))
         complete_sends_reading(state, r->dst, r->count * dtype_size(r->dst_dtype), index);
       publisher.publish(Status::kRunning, step.phase, index);
       if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
-        for (const CopyOp& c : batch->copies)
-          if (c.bytes > 0) std::memcpy(resolve(c.dst), resolve(c.src), c.bytes);
-      } else if (const auto* cast = std::get_if<CastOp>(&step.op)) {
-        std::byte* dst = resolve(cast->dst);
-        const std::size_t dst_size = dtype_size(cast->dst_dtype);
-        if (cast->src_dtype == cast->dst_dtype) {
-          if (cast->count > 0) std::memcpy(dst, resolve(cast->src), cast->count * dst_size);
-        } else {
-          const std::byte* src = resolve(cast->src);
-          for (int64_t k = 0; k < cast->count; ++k)
-            store_from_float(dst, cast->dst_dtype, k, load_as_float(src, cast->src_dtype, k));
+        for (const CopyOp& c : batch->copies) {
+          if (c.bytes == 0) continue;
+          std::byte* dst = resolve(c.dst);
+          const std::byte* src = resolve(c.src);
+          for (std::size_t j = 0; j < c.rows; ++j)
+            std::memcpy(dst + j * c.dst_pitch, src + j * c.src_pitch, c.bytes);
         }
-        if (cast->pad > 0) std::memset(dst + cast->count * dst_size, 0, cast->pad * dst_size);
+      } else if (const auto* cast = std::get_if<CastOp>(&step.op)) {
+        const std::size_t dst_size = dtype_size(cast->dst_dtype);
+        const std::size_t src_row = cast->count * dtype_size(cast->src_dtype);
+        for (int64_t j = 0; j < cast->rows; ++j) {
+          std::byte* dst = resolve(cast->dst) + j * cast->dst_pitch;
+          const std::byte* src = cast->count > 0 ? resolve(cast->src) + j * src_row : nullptr;
+          if (cast->src_dtype == cast->dst_dtype) {
+            if (cast->count > 0) std::memcpy(dst, src, cast->count * dst_size);
+          } else {
+            for (int64_t k = 0; k < cast->count; ++k)
+              store_from_float(dst, cast->dst_dtype, k, load_as_float(src, cast->src_dtype, k));
+          }
+          if (cast->pad > 0) std::memset(dst + cast->count * dst_size, 0, cast->pad * dst_size);
+        }
       } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
         FlagWord& f = window_.flags(signal->peer)[flag_index(signal->kind, rank, world)];
         std::atomic_ref<uint64_t>(f.tag).store(tag, std::memory_order_relaxed);

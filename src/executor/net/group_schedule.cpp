@@ -32,11 +32,12 @@ Access access_of(const Step& step, int rank) {
       to.push_back({addr.offset, addr.offset + bytes});
   };
   if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
-    for (const CopyOp& c : batch->copies) add(a.reads, c.src, c.bytes), add(a.writes, c.dst, c.bytes);
+    for (const CopyOp& c : batch->copies)  // 2-D ops by their extents: a superset of their bytes
+      add(a.reads, c.src, c.src_extent()), add(a.writes, c.dst, c.dst_extent());
   } else if (const auto* cast = std::get_if<CastOp>(&step.op)) {
-    add(a.reads, cast->src, static_cast<std::size_t>(cast->count) * dtype_size(cast->src_dtype));
-    add(a.writes, cast->dst,
-        static_cast<std::size_t>(cast->count + cast->pad) * dtype_size(cast->dst_dtype));
+    add(a.reads, cast->src,
+        static_cast<std::size_t>(cast->rows * cast->count) * dtype_size(cast->src_dtype));
+    add(a.writes, cast->dst, cast->dst_extent());
   } else if (const auto* reduce = std::get_if<ReduceOp>(&step.op)) {
     for (const Address& s : reduce->sources)
       add(a.reads, s, static_cast<std::size_t>(reduce->count) * dtype_size(reduce->src_dtype));
