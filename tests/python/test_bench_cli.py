@@ -1,5 +1,5 @@
 """tide-bench: clear argument errors; a short CPU run whose JSON has every field and whose plots exist;
-the MoE and DiT models, TIDE vs stock, with experts sharded on dim 0 and (fallback, named) dim 1."""
+the MoE and DiT models, TIDE vs stock, with experts sharded on dim 0 and on dim 1."""
 
 import dataclasses
 import json
@@ -108,24 +108,21 @@ def test_fsdp_cpu_moe_and_dit_models_are_handled_and_bitwise(model, groups, tmp_
     assert data["family"] == PRESETS[model].family and data["expert_shard_dim"] == 0
 
 
-def test_fsdp_cpu_moe_experts_on_dim_1_fall_back_by_name(tmp_path, capsys):
-    """--expert-shard-dim 1: each layer's experts group is sharded on dim 1, which TIDE does not take
-    yet: those groups run stock FSDP2 and are named with the reason; the other groups stay TIDE's;
-    the result is still bitwise stock's, and the copies the fallback groups make are counted."""
+def test_fsdp_cpu_moe_experts_on_dim_1_are_handled_in_place(tmp_path, capsys):
+    """--expert-shard-dim 1: each layer's experts group is sharded on dim 1 (torchtitan's layout
+    when the FSDP degree exceeds the expert count). TIDE takes those groups too, gathering each
+    rank's block straight into place: every group handled, no layout copy and none of stock's
+    Shard(1) re-layout cats, bitwise stock's result."""
     data = _fsdp_json(tmp_path, "--model", "qwen3-moe-tiny", "--expert-shard-dim", "1")
     text = capsys.readouterr().out
     s, t = data["stock"], data["tide"]
-    assert t["param_groups"] == 5 and t["tide_buckets"] == 3
-    assert [path for path, _ in t["tide_fallback_groups"]] == ["layers.0.moe.experts", "layers.1.moe.experts"]
-    for path, reason in t["tide_fallback_groups"]:
-        assert "sharded on dim 1" in reason, reason
-        assert f"fell back: {path}: {reason}" in text
-    assert "TIDE handled 3 of 5 param groups; fell back for 2" in text
+    assert t["param_groups"] == 5 and t["tide_buckets"] == 5, t
+    assert t["tide_fallbacks"] == [] and t["tide_fallback_groups"] == []
+    assert "TIDE handled 5 of 5 param groups" in text
     assert "experts sharded on dim 1" in text
     assert data["max_abs_diff"] == 0.0
-    # stock re-lays the dim-1 experts out with cats (counted); under TIDE the fallback groups still do
-    assert s["shard_dim_copy_mib"] > 0 and t["shard_dim_copy_mib"] == s["shard_dim_copy_mib"]
-    assert 0 < t["layout_copy_mib"] < s["layout_copy_mib"]
+    assert s["shard_dim_copy_mib"] > 0 and t["shard_dim_copy_mib"] == 0  # stock's cats, counted
+    assert s["layout_copy_mib"] > 0 and t["layout_copy_mib"] == 0
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
