@@ -17,6 +17,7 @@
 #include <functional>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +27,14 @@
 #include "tide/cuda.hpp"
 #include "tide/tide.hpp"
 #include "test_util.hpp"
+
+// A CUDA runtime call in a test: throws with the call and the error text.
+#define CHECK_CUDA(call)                                                                      \
+  do {                                                                                        \
+    const cudaError_t status_ = (call);                                                       \
+    if (status_ != cudaSuccess)                                                               \
+      throw std::runtime_error(std::string(#call) + " failed: " + cudaGetErrorString(status_)); \
+  } while (0)
 
 // Visible in the test log: CI (no GPU) must show why nothing ran.
 #define TIDE_REQUIRE_GPU()                                                                  \

@@ -12,13 +12,6 @@ namespace {
 using namespace gpu_test;
 using namespace std::chrono_literals;
 
-#define CHECK_CUDA(call)                                                                      \
-  do {                                                                                        \
-    const cudaError_t status_ = (call);                                                       \
-    if (status_ != cudaSuccess)                                                               \
-      throw std::runtime_error(std::string(#call) + " failed: " + cudaGetErrorString(status_)); \
-  } while (0)
-
 // One rank per GPU where several exist; ranks that are threads of one process all on GPU 0
 // (CudaWindow refuses threads on different GPUs).
 thread_local bool ranks_are_threads = false;

@@ -17,13 +17,6 @@ namespace {
 using namespace gpu_test;
 using namespace std::chrono_literals;
 
-#define CHECK_CUDA(call)                                                                      \
-  do {                                                                                        \
-    const cudaError_t status_ = (call);                                                       \
-    if (status_ != cudaSuccess)                                                               \
-      throw std::runtime_error(std::string(#call) + " failed: " + cudaGetErrorString(status_)); \
-  } while (0)
-
 TEST(CudaReduceBudget, ParsesDescribesAndValidates) {
   EXPECT_TRUE(CudaReduceBudget::parse("").is_default());
   EXPECT_TRUE(CudaReduceBudget::parse("default").is_default());
