@@ -346,11 +346,15 @@ inline std::vector<Fp64Reference> fp64_reduce_scatter(const BucketLayout& layout
     const ParamLayout& p = layout.param(i);
     Fp64Reference ref{std::vector<double>(p.valid_numel(rank)),
                       std::vector<double>(p.valid_numel(rank))};
+    // Element k of rank's shard: row k / run of dim k's outer rows, at rank's block of that row
+    // (the gradient is the unsharded param; for dim 0 this is rank * shard_numel + k).
+    const int64_t run = p.valid_rows(rank) * p.row_numel;
+    const int64_t row_numel = p.shard_dim_size * p.row_numel;
     for (int64_t k = 0; k < p.valid_numel(rank); ++k) {
+      const int64_t at = (k / run) * row_numel + rank * p.rows_per_rank * p.row_numel + k % run;
       double sum = 0, magnitude = 0;
       for (int r = 0; r < world; ++r) {
-        const double term = double(o.prescale) *
-                            load_as_float(all[r].inputs[i].data(), p.dtype, rank * p.shard_numel + k);
+        const double term = double(o.prescale) * load_as_float(all[r].inputs[i].data(), p.dtype, at);
         sum += term, magnitude += std::abs(term);
       }
       ref.value[k] = sum * scale;

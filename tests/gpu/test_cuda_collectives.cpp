@@ -244,9 +244,7 @@ TEST(CudaCollectives, LargeBucketVectorAndScalarPaths) {
 // Params sharded on dims > 0 (shard_placement_fn): 2-D copies (cudaMemcpy2DAsync), strided casts
 // (the kernel's vector path when rows are multiples of 8 elements, its scalar path otherwise, and
 // cudaMemcpy2DAsync for equal dtypes), mixed with dim-0 params, AG and RS over one window.
-// DISABLED: on an H200 (2026-12-01) its reduce-scatters gave wrong results (every param of the
-// bucket, dim-0 ones included); CudaExecutor::run refuses 2-D programs until it passes.
-TEST(CudaCollectives, DISABLED_InnerShardDimsMatchHostExecutorBitwise) {
+TEST(CudaCollectives, InnerShardDimsMatchHostExecutorBitwise) {
   TIDE_REQUIRE_GPU();
   for (int world : {2, 3, 4}) {
     std::vector<ParamSpec> specs = {

@@ -126,10 +126,6 @@ def _static_fallback_reason(param_group, group, param_name) -> str:
                 return f"{name}: padded shard {tuple(fp.padded_sharded_param_size)} is not ceil(d0/W) rows"
         elif fp._orig_size[dim] % group.size() != 0:  # FSDP2 itself refuses this today
             return f"{name} is sharded on dim {dim} of size {fp._orig_size[dim]}, not a multiple of W = {group.size()}"
-        elif device.type == "cuda":
-            # The CUDA executor refuses 2-D programs: they gave wrong results in their GPU test.
-            return (f"{name} is sharded on dim {dim}: on CUDA devices not yet (the CUDA executor's "
-                    "2-D copies failed their GPU test; CPU devices take it)")
     return ""
 
 

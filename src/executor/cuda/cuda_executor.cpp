@@ -284,19 +284,6 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
   const int world = window.world();
   validate_run(program, bindings, rank, world, window.data_bytes(), window.data(rank),
                /*net_supported=*/d.network != nullptr || window.reach() == CudaReach::kHost);
-  // Programs with 2-D ops (params sharded on dims > 0) gave wrong reduce-scatter results on an
-  // H200 (CudaCollectives.DISABLED_InnerShardDimsMatchHostExecutorBitwise, 2026-12-01): refused
-  // until that test passes, rather than run.
-  for (const Step& step : program.steps) {
-    const auto* batch = std::get_if<CopyBatch>(&step.op);
-    const auto* cast = std::get_if<CastOp>(&step.op);
-    const bool two_d = (cast && cast->rows > 1) ||
-                       (batch && std::any_of(batch->copies.begin(), batch->copies.end(),
-                                             [](const CopyOp& c) { return c.rows > 1; }));
-    TIDE_CHECK_ARG(!two_d, "CudaExecutor::run", "program", program.to_string().substr(0, 200),
-                   "a program without 2-D copies or strided casts (params sharded on dims > 0 are "
-                   "not yet supported by the CUDA executor: they failed their GPU test)");
-  }
   d.throw_if_failed();
   const uint64_t epoch = window.next_epoch();
   const uint64_t tag = program.tag();
