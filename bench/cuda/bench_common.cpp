@@ -194,6 +194,16 @@ std::vector<ParamSpec> small_params() {
   return specs;
 }
 
+std::vector<ParamSpec> expert_params() {
+  // One Qwen3-30B-A3B MoE layer's experts stored per expert: 128 x (gate, up, down), each
+  // 768 x 2048 bf16 (3 MiB), 384 params: many copies and casts per collective.
+  std::vector<ParamSpec> specs;
+  for (int e = 0; e < 128; ++e)
+    for (const char* m : {"gate", "up", "down"})
+      specs.push_back({"e" + std::to_string(e) + "." + m, {768, 2048}, DType::kBF16, DType::kFP32});
+  return specs;
+}
+
 std::vector<ParamSpec> single_param(std::size_t bytes) {
   const int64_t cols = 1024;
   const int64_t rows = static_cast<int64_t>(bytes / 2 / cols);
@@ -228,7 +238,8 @@ std::vector<BucketCase> sweep_cases(const Args& args, std::size_t max_mib) {
 std::vector<BucketCase> bucket_case(const std::string& name) {
   if (name == "llama") return {{"llama-70B layer (9 params)", llama_layer()}};
   if (name == "small") return {{"512 params x 64 KiB", small_params()}};
-  throw std::runtime_error("--bucket " + name + ": expected llama or small");
+  if (name == "experts") return {{"qwen3-moe experts (384 params x 3 MiB)", expert_params()}};
+  throw std::runtime_error("--bucket " + name + ": expected llama, small or experts");
 }
 
 }  // namespace tide::bench

@@ -114,6 +114,7 @@ struct DeviceMemory {
 };
 
 // Times `iters` back-to-back calls of enqueue() on `stream` with events; returns microseconds each.
+// Host-paced: when enqueue() costs the host more than the GPU takes, this is the host's pace.
 std::vector<double> time_each(cudaStream_t stream, int iters, const std::function<void()>& enqueue);
 
 // ---- Buckets. -------------------------------------------------------------------------------
@@ -124,7 +125,8 @@ struct BucketCase {
 };
 
 std::vector<ParamSpec> llama_layer();  // one Llama-3.1-70B decoder layer
-std::vector<ParamSpec> small_params();  // 512 params x 64 KiB
+std::vector<ParamSpec> small_params();   // 512 params x 64 KiB
+std::vector<ParamSpec> expert_params();  // 384 params x 3 MiB (one Qwen3-30B-A3B layer's experts)
 std::vector<ParamSpec> single_param(std::size_t bytes);
 std::size_t unsharded_bytes(const BucketLayout& layout);
 // Device bytes one rank needs for the bucket (window, inputs, outputs), for the memory cap.

@@ -4,7 +4,7 @@
 //   tide_bench_cuda [all]              everything below, then a short summary table
 //   tide_bench_cuda ceiling            HBM copy ceiling; reduce / cast kernel bandwidth against it
 //   tide_bench_cuda sweep  --collective ag|rs --world W [--min-mib N] [--max-mib N]
-//   tide_bench_cuda bucket --bucket llama|small --collective ag|rs --world W
+//   tide_bench_cuda bucket --bucket llama|small|experts --collective ag|rs --world W
 //   tide_bench_cuda compare [--bucket llama|small] [--collective ag|rs]
 //                                      >= 2 GPUs, one rank each: TIDE on one node (copy engines
 //                                      over NVLink), TIDE with every GPU its own node (NCCL

@@ -38,6 +38,7 @@ const DriverApi& driver_api() {
     resolve("cuGetErrorString", api.get_error_string);
     resolve("cuStreamWriteValue64", api.stream_write_value64);
     resolve("cuStreamWaitValue64", api.stream_wait_value64);
+    resolve("cuStreamBatchMemOp", api.stream_batch_mem_op);
     resolve("cuDeviceGetAttribute", api.device_get_attribute);
     resolve("cuMemCreate", api.mem_create);
     resolve("cuMemRelease", api.mem_release);

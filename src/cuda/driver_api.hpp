@@ -12,6 +12,7 @@ namespace tide::cuda_detail {
 struct DriverApi {
   PFN_cuStreamWriteValue64_v11070 stream_write_value64 = nullptr;
   PFN_cuStreamWaitValue64_v11070 stream_wait_value64 = nullptr;
+  PFN_cuStreamBatchMemOp_v11070 stream_batch_mem_op = nullptr;  // several of the above, one call
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuGetErrorString_v6000 get_error_string = nullptr;
   PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;

@@ -184,7 +184,8 @@ struct CudaExecutor::Impl {
   void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
                       std::vector<std::size_t>& sizes);
   void enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag);
-  void enqueue_signal(const SignalOp& signal, uint64_t epoch, uint64_t tag);
+  std::size_t enqueue_signals(const std::vector<Step>& steps, std::size_t first, uint64_t epoch,
+                              uint64_t tag, const std::function<bool(std::size_t)>& batchable);
   cudaEvent_t issue_group(const net::NetGroup& group, const Program& program,
                           const Resolve& resolve, uint64_t epoch, uint64_t tag, Phase phase);
 

@@ -6,9 +6,10 @@
 //   CastOp     -> equal types: a batched copy + cudaMemsetAsync of the pad (no kernel), or a
 //                 cudaMemcpy2DAsync for a strided destination; otherwise one cast kernel for all
 //                 consecutive CastOps (strided destinations included).
-//   SignalOp   -> cuStreamWriteValue64 of the tag, then of the epoch, into the peer's FlagWord (each
-//                 write is preceded by a memory barrier: the data before it is visible first).
-//   WaitOp     -> cuStreamWaitValue64(epoch >= e), then cuStreamWaitValue64(tag == t): a peer that
+//   SignalOp   -> a write of the tag, then of the epoch, into the peer's FlagWord (each write is
+//                 preceded by a memory barrier: the data before it is visible first); consecutive
+//                 signals in one cuStreamBatchMemOp.
+//   WaitOp     -> wait(epoch >= e), then wait(tag == t), in one cuStreamBatchMemOp: a peer that
 //                 runs another collective blocks the stream instead of feeding it wrong data, and
 //                 the watchdog reports DesyncError.
 //   ReduceOp   -> one reduce kernel for consecutive ReduceOps with as many sources each, none
@@ -83,9 +84,8 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
       }
       enqueue_copies(dsts, srcs, sizes);
       ++i;
-    } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
-      enqueue_signal(*signal, epoch, tag);
-      ++i;
+    } else if (std::holds_alternative<SignalOp>(step.op)) {
+      i = enqueue_signals(steps, i, epoch, tag, batchable);
     } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
       enqueue_wait(*wait, step.phase, epoch, tag);
       ++i;
@@ -264,27 +264,68 @@ void CudaExecutor::Impl::enqueue_copy_2d(void* dst, std::size_t dst_pitch, const
   ++stats.copies_2d;
 }
 
+namespace {
+
+CUstreamBatchMemOpParams wait_geq(const uint64_t* word, uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+  op.waitValue.address = reinterpret_cast<CUdeviceptr>(word);
+  op.waitValue.value64 = value;
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  return op;
+}
+
+CUstreamBatchMemOpParams wait_eq(const uint64_t* word, uint64_t value) {
+  CUstreamBatchMemOpParams op = wait_geq(word, value);
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
+  return op;
+}
+
+CUstreamBatchMemOpParams write(uint64_t* word, uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
+  op.writeValue.value64 = value;
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;  // after a fence: the data is visible first
+  return op;
+}
+
+// cuStreamBatchMemOp takes fewer than 256 operations per call.
+constexpr std::size_t kMaxMemOps = 254;
+
+}  // namespace
+
+// One cuStreamBatchMemOp for both words (a driver call costs the host microseconds; a collective
+// has two waits per peer).
 void CudaExecutor::Impl::enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag) {
   const int rank = window.rank();
   FlagWord* flag = window.flags(rank) + flag_index(wait.kind, wait.peer, window.world());
   PendingWait record = new_wait(PendingWait::Kind::kFlag, epoch, tag, wait.peer, phase);
   record.flag = flag, record.flag_kind = wait.kind;
   TIDE_CUDA_CHECK(cudaEventRecord(record.before, stream));
-  TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch), epoch,
-                                        CU_STREAM_WAIT_VALUE_GEQ));
-  TIDE_CU_CHECK(api.stream_wait_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->tag), tag,
-                                        CU_STREAM_WAIT_VALUE_EQ));
+  CUstreamBatchMemOpParams ops[2] = {wait_geq(&flag->epoch, epoch), wait_eq(&flag->tag, tag)};
+  TIDE_CU_CHECK(api.stream_batch_mem_op(stream, 2, ops, 0));
   TIDE_CUDA_CHECK(cudaEventRecord(record.after, stream));
   watch(std::move(record));
 }
 
-void CudaExecutor::Impl::enqueue_signal(const SignalOp& signal, uint64_t epoch, uint64_t tag) {
-  FlagWord* flag =
-      window.flags(signal.peer) + flag_index(signal.kind, window.rank(), window.world());
-  TIDE_CU_CHECK(api.stream_write_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->tag), tag,
-                                         CU_STREAM_WRITE_VALUE_DEFAULT));
-  TIDE_CU_CHECK(api.stream_write_value64(stream, reinterpret_cast<CUdeviceptr>(&flag->epoch),
-                                         epoch, CU_STREAM_WRITE_VALUE_DEFAULT));
+// Consecutive signals (the slot-free ones to every peer) in one cuStreamBatchMemOp: per signal
+// the tag, then the epoch, into the peer's FlagWord.
+std::size_t CudaExecutor::Impl::enqueue_signals(const std::vector<Step>& steps, std::size_t first,
+                                                uint64_t epoch, uint64_t tag,
+                                                const std::function<bool(std::size_t)>& batchable) {
+  std::vector<CUstreamBatchMemOpParams> ops;
+  std::size_t i = first;
+  for (; i < steps.size() && std::holds_alternative<SignalOp>(steps[i].op) &&
+         (i == first || batchable(i)) && ops.size() + 2 <= kMaxMemOps;
+       ++i) {
+    const SignalOp& signal = std::get<SignalOp>(steps[i].op);
+    FlagWord* flag = window.flags(signal.peer) + flag_index(signal.kind, window.rank(), window.world());
+    ops.push_back(write(&flag->tag, tag));
+    ops.push_back(write(&flag->epoch, epoch));
+  }
+  TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(ops.size()), ops.data(), 0));
+  return i;
 }
 
 // Enqueues a group's sends and receives on the network stream after the compute stream's
