@@ -1,15 +1,11 @@
 #include "bench_common.hpp"
 
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <thread>
+
+#include "rank_runner.hpp"
 
 namespace tide::bench {
 
@@ -74,57 +70,23 @@ void print_collective_row(const Row& r) {
 
 bool fork_ranks(int world, const std::function<void(int, Bootstrap&)>& body,
                 std::chrono::seconds deadline) {
-  char pattern[] = "/tmp/tide-bench-ranks-XXXXXX";
-  if (!::mkdtemp(pattern)) throw std::runtime_error("mkdtemp failed");
-  const std::string dir = pattern;
-  std::fflush(stdout);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      // Before CUDA starts in this child: enough hardware queues that no two ranks' streams share
-      // one (ranks as threads in the interference mode; see CudaExecutor in tide/cuda.hpp).
-      ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
-      int code = 0;
-      try {
-        // Never destroyed: ~FileBootstrap removes this rank's file of the last round, which a
-        // slower peer may not have read yet.
-        auto* bootstrap = new FileBootstrap(dir, r, world, 300000ms);
-        body(r, *bootstrap);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d failed: %s\n", r, e.what());
-        code = 1;
-      }
-      std::fflush(stdout);
-      std::fflush(stderr);
-      ::_exit(code);
-    }
-    pids.push_back(pid);
-  }
-  bool ok = true;
-  const auto end = std::chrono::steady_clock::now() + deadline;
-  std::vector<bool> done(world, false);
-  for (int remaining = world; remaining > 0;) {
-    for (int r = 0; r < world; ++r) {
-      int status = 0;
-      if (!done[r] && ::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        done[r] = true, --remaining;
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ok = false;
-      }
-    }
-    if (remaining > 0 && std::chrono::steady_clock::now() > end) {
-      std::fprintf(stderr, "ranks still running after %lld s: killed\n",
-                   static_cast<long long>(deadline.count()));
-      for (int r = 0; r < world; ++r)
-        if (!done[r]) ::kill(pids[r], SIGKILL), ::waitpid(pids[r], nullptr, 0);
-      ok = false;
-      break;
-    }
-    std::this_thread::sleep_for(5ms);
-  }
-  std::error_code ignored;
-  std::filesystem::remove_all(dir, ignored);
-  return ok;
+  const harness::RankProcesses run = harness::run_rank_processes(
+      world,
+      [&](int rank, Bootstrap& bootstrap) {
+        try {
+          body(rank, bootstrap);
+        } catch (const std::exception& e) {
+          // Said at once, beside the rank's own output, not when its peers are done.
+          std::fprintf(stderr, "rank %d failed: %s\n", rank, e.what());
+          throw;
+        }
+      },
+      {.bootstrap_timeout = 300000ms, .deadline = deadline});
+  if (run.hung)
+    std::fprintf(stderr, "ranks still running after %lld s: killed\n",
+                 static_cast<long long>(deadline.count()));
+  return std::all_of(run.reports.begin(), run.reports.end(),
+                     [](const std::string& report) { return report == "ok"; });
 }
 
 bool run_single_child(const std::function<void()>& body) {

@@ -1,5 +1,6 @@
 // What every mode of tide_bench_cuda shares (bench_common.cpp): arguments, result rows passed
-// between processes as tab-separated lines, the fork runner (the parent never touches CUDA),
+// between processes as tab-separated lines, ranks as processes (testing/rank_runner.hpp with the
+// benchmark's timeouts; the parent never touches CUDA),
 // device selection and timing, and the buckets measured. One file per mode: sweep.cpp (TIDE-AG/RS
 // sweeps and buckets), nccl_baseline.cpp (NCCL's own collectives, compare), ceiling.cpp (copy and
 // kernel ceilings), interference.cpp (a GEMM beside TIDE-RS / NCCL / a reduce kernel),
@@ -90,7 +91,8 @@ void print_collective_row(const Row& r);
 
 // ---- Processes. -----------------------------------------------------------------------------
 
-// Forks `world` children running body(rank, bootstrap); returns false (printing why) if any failed.
+// Forks `world` children running body(rank, bootstrap) over 300 s bootstrap waits; returns false
+// (printing why) if any failed or was still running at `deadline`.
 bool fork_ranks(int world, const std::function<void(int, Bootstrap&)>& body,
                 std::chrono::seconds deadline = 570s);
 bool run_single_child(const std::function<void()>& body);

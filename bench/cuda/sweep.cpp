@@ -4,7 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <thread>
+
+#include "rank_runner.hpp"
 
 namespace tide::bench {
 
@@ -182,23 +183,16 @@ bool run_collective(Collective collective, int world, const std::vector<BucketCa
       bench_collective_rank(rank, b, collective, cases, args);
     });
   return run_single_child([&] {
-    auto rendezvous = make_thread_rendezvous(world);
-    std::vector<std::string> errors(world);
-    std::vector<std::thread> ranks;
-    for (int rank = 0; rank < world; ++rank)
-      ranks.emplace_back([&, rank] {
-        ranks_are_threads = true;
-        try {
-          ThreadBootstrap bootstrap(rendezvous, rank, 300000ms);
+    const std::vector<std::string> reports = harness::run_rank_threads(
+        world,
+        [&](int rank, Bootstrap& bootstrap) {
+          ranks_are_threads = true;
           bench_collective_rank(rank, bootstrap, collective, cases, args);
-        } catch (const std::exception& e) {
-          errors[rank] = e.what();
-        }
-      });
-    for (std::thread& t : ranks) t.join();
+        },
+        300000ms);
     for (int rank = 0; rank < world; ++rank)
-      if (!errors[rank].empty())
-        throw std::runtime_error("rank " + std::to_string(rank) + ": " + errors[rank]);
+      if (reports[rank] != "ok")
+        throw std::runtime_error("rank " + std::to_string(rank) + ": " + reports[rank]);
   });
 }
 

@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 namespace tide {
@@ -50,7 +51,7 @@ TEST(ApiErrors, ExecutorRejectsMismatchedProgramsAndBindings) {
   BucketLayout small({{"w", {8, 2}}}, Topology::single_node(2));
   BucketLayout big({{"w", {4096, 64}}}, Topology::single_node(2));
   BucketLayout four({{"w", {8, 2}}}, Topology::single_node(4));
-  test::run_threads(2, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(2, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, small.window_bytes());
     HostExecutor executor(*window);
     std::vector<float> shard(8);
@@ -124,7 +125,7 @@ TEST(ApiErrors, WindowsAndBootstraps) {
   expect_error([&] { make_thread_rendezvous(0); }, {"world = 0"});
   // Ranks asking for different window sizes.
   std::vector<std::string> messages(2);
-  test::run_threads(2, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(2, [&](int rank, Bootstrap& bootstrap) {
     try {
       HostWindow::create(bootstrap, rank == 0 ? 4096 : 8192);
     } catch (const InvalidArgument& e) {
@@ -133,7 +134,7 @@ TEST(ApiErrors, WindowsAndBootstraps) {
   });
   EXPECT_NE(messages[0].find("data_bytes of rank 1 = 8192, expected 4096"), std::string::npos)
       << messages[0];
-  test::run_threads(1, [&](int, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(1, [&](int, Bootstrap& bootstrap) {
     expect_error([&] { HostWindow::create(bootstrap, 0); }, {"data_bytes = 0", "> 0"});
   });
 }
@@ -158,7 +159,7 @@ TEST(ApiErrors, TimeoutEnvironmentVariable) {
 TEST(ApiErrors, DebugEnvironmentVariable) {
   ::setenv("TIDE_DEBUG", "yes", 1);
   expect_error([&] { debug_enabled(); }, {"TIDE_DEBUG = 'yes'", "0 or 1"});
-  test::run_threads(1, [&](int, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(1, [&](int, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, 4096);
     expect_error([&] { HostExecutor executor(*window); }, {"TIDE_DEBUG = 'yes'"});
   });

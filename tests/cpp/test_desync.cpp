@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 namespace tide {
@@ -56,7 +57,7 @@ TEST_P(Desync, MismatchedBucketsFailOnEveryRankNamingBoth) {
   ASSERT_LE(a.window_bytes(), b.param(0).slot_offset(2));  // rank 2's B slot lies beyond A
   std::vector<Outcome> outcomes(world);
   std::vector<std::vector<std::byte>> windows(world);
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, b.window_bytes());
     HostExecutor executor(*window, kTimeout);
     std::memset(window->data(rank), 0xA5, b.window_bytes());
@@ -109,7 +110,7 @@ TEST_P(Desync, ARankThatRanOneExtraCollectiveIsAnErrorNotAHang) {
     std::vector<Outcome> outcomes(world);
     Outcome extra;
     std::vector<char> window_unchanged(world, 0);  // not vector<bool>: ranks write it concurrently
-    test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+    harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
       auto window = HostWindow::create(bootstrap, layout.window_bytes());
       HostExecutor executor(*window, kTimeout);
       {
@@ -189,7 +190,7 @@ TEST(Desync, ARankThatSkippedASignalIsCaughtByBothSides) {
   const int world = 2;
   const BucketLayout layout({{"w", {8, 4}}}, Topology::single_node(world));
   std::vector<Outcome> outcomes(world);
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, kTimeout);
     test::RankBuffers buffers(layout, Collective::kAllGather, rank, 8);
@@ -228,7 +229,7 @@ TEST(ExecutorStates, PublishedStatesShowWhoWaitsOnWhom) {
   const BucketLayout layout({{"w", {12, 4}}}, Topology::single_node(world));
   std::string group_view, process_view;
   std::vector<ExecutorState> final_states(world);
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, kTimeout);
     EXPECT_EQ(executor.state().status, ExecutorState::Status::kIdle);
@@ -280,7 +281,7 @@ TEST(ExecutorStates, DebugPrintsTheGroupAtHalfTheTimeout) {
   const BucketLayout layout({{"w", {6, 2}}}, Topology::single_node(world));
   ::setenv("TIDE_DEBUG", "1", 1);
   ::testing::internal::CaptureStderr();
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, std::chrono::milliseconds(rank == 0 ? 1000 : 10000));
     bootstrap.barrier();

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <cstring>
 
-#include "process_util.hpp"
+#include "rank_runner.hpp"
 #include "tide/bootstrap.hpp"
 #include "tide/error.hpp"
 
@@ -32,7 +32,7 @@ std::string read_all(int fd) {
 
 TEST(FdExchange, EveryRankReadsThePeersItAskedFor) {
   for (int world : {2, 3, 5}) {
-    const test::ProcessRun run = test::run_processes(world, [&](int rank, Bootstrap& b, const std::string&) {
+    const harness::RankProcesses run = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
       const int mine = memfd_with("content of rank " + std::to_string(rank));
       std::vector<int> from;  // asymmetric: even ranks ask everyone, odd ranks only rank 0
       for (int q = 0; q < world; ++q)
@@ -55,7 +55,7 @@ TEST(FdExchange, EveryRankReadsThePeersItAskedFor) {
 }
 
 TEST(FdExchange, APeerThatDoesNotServeIsAnErrorNamingIt) {
-  const test::ProcessRun run = test::run_processes(2, [&](int rank, Bootstrap& b, const std::string&) {
+  const harness::RankProcesses run = harness::run_rank_processes(2, [&](int rank, Bootstrap& b) {
     if (rank == 0) {  // joins the name exchange without listening anywhere
       b.allgather("tide-fd-nobody-listens-here ");
       return std::string("ok");
@@ -69,7 +69,7 @@ TEST(FdExchange, APeerThatDoesNotServeIsAnErrorNamingIt) {
 }
 
 TEST(FdExchange, RejectsBadRequests) {
-  const test::ProcessRun run = test::run_processes(2, [&](int rank, Bootstrap& b, const std::string&) {
+  const harness::RankProcesses run = harness::run_rank_processes(2, [&](int rank, Bootstrap& b) {
     try {
       exchange_fds(b, 3, {rank});  // itself
     } catch (const InvalidArgument& e) {
@@ -89,7 +89,7 @@ namespace {
 // A process that is not a rank asking for the descriptor (it learnt the socket's name) is refused;
 // the rank that asked still gets it.
 TEST(FdExchange, AProcessThatDidNotAskIsRefused) {
-  const test::ProcessRun run = test::run_processes(3, [&](int rank, Bootstrap& b, const std::string&) {
+  const harness::RankProcesses run = harness::run_rank_processes(3, [&](int rank, Bootstrap& b) {
     if (rank == 2) {  // the intruder: joins the name exchange asking for nothing, then connects
       const std::vector<std::string> all = b.allgather("tide-fd-intruder 1 ");
       const std::string name = all[0].substr(0, all[0].find(' '));

@@ -20,6 +20,7 @@
 #include <limits>
 #include <random>
 
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 namespace tide {
@@ -621,7 +622,7 @@ TEST(Fuzz, VerifierOnCorruptedProgramSets) {
     if (accepted > 100) continue;
     std::vector<std::string> wrong(layout.world());
     try {
-      test::run_threads(layout.world(), [&](int rank, Bootstrap& bootstrap) {
+      harness::run_rank_threads_or_throw(layout.world(), [&](int rank, Bootstrap& bootstrap) {
         auto window = HostWindow::create(bootstrap, layout.window_bytes());
         HostExecutor executor(*window, std::chrono::milliseconds(10000));
         test::RankBuffers buffers(layout, c, rank, 40 + i);
@@ -643,7 +644,7 @@ TEST(Fuzz, HostExecutorRunsValidAndRejectsInvalidPrograms) {
   Tally t{"host executor (W = 1): valid runs checked, invalid runs rejected", fuzz_seed() + 5};
   Rng rng(t.seed);
   const int n = scaled(3000);
-  test::run_threads(1, [&](int, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(1, [&](int, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, 1 << 22);
     HostExecutor executor(*window, std::chrono::milliseconds(5000));
     for (long i = 0; i < n; ++i, ++t.cases) {

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 namespace tide {
@@ -19,7 +20,7 @@ std::vector<std::vector<std::byte>> ag_then_rs(const BucketLayout& layout, uint6
                                                bool jitter = false) {
   const int world = layout.world();
   std::vector<std::vector<std::byte>> results(world);
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     std::mt19937 rng(seed * 31 + rank);
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, std::chrono::milliseconds(20000));
@@ -115,7 +116,7 @@ TEST(HostExecutor, AccumulateAddsIntoExistingGradient) {
   BucketLayout layout({{"w", {8, 5}}}, Topology::single_node(world));
   ReduceOptions o;
   o.accumulate = true;
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window);
     const ParamLayout& p = layout.param(0);
@@ -138,7 +139,7 @@ TEST(HostExecutor, TwoBucketsShareOnePoolWindow) {
   BucketLayout a({{"a0", {33, 7}}, {"a1", {7}}}, Topology::single_node(world));
   BucketLayout b({{"b0", {5, 64}, DType::kFP16}}, Topology::single_node(world));
   const std::size_t pool_bytes = std::max(a.window_bytes(), b.window_bytes());
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, pool_bytes);
     HostExecutor executor(*window);
     for (int step = 0; step < 4; ++step) {
@@ -178,7 +179,7 @@ TEST(HostExecutor, MissingPeerTimesOutNamingRankBucketPhaseEpoch) {
   const int world = 3;
   BucketLayout layout({{"w", {6, 2}}}, Topology::single_node(world));
   std::vector<std::string> messages(world);
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, std::chrono::milliseconds(300));
     if (rank == 2) return;  // never arrives
@@ -207,7 +208,7 @@ TEST(HostExecutor, MismatchedCallOrderIsADesyncErrorNamingBothSides) {
   const int world = 2;
   BucketLayout layout({{"w", {4, 4}}}, Topology::single_node(world));
   std::vector<std::string> messages(world);
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, std::chrono::milliseconds(2000));
     Buffer shard = test::ag_shard(layout.param(0), 0, rank, 1);
@@ -239,7 +240,7 @@ namespace {
 // A fixed address range backed in turn by two pooled windows: what lets a bucket's parameters keep
 // one address (and autograd's saved views stay valid) while their memory comes from a pool.
 TEST(HostAddressRange, AliasesWhicheverWindowIsMappedIntoIt) {
-  test::run_threads(1, [&](int, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(1, [&](int, Bootstrap& bootstrap) {
     auto a = HostWindow::create(bootstrap, 10000);
     auto b = HostWindow::create(bootstrap, 10000);
     HostAddressRange range(10000);

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "process_util.hpp"
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 namespace tide {
@@ -30,7 +31,7 @@ std::vector<std::vector<std::vector<std::byte>>> run_case(const BucketLayout& la
     bytes = std::max(bytes, plan_reduce_scatter(layout, r, o, 1, net).window_bytes);
     bytes = std::max(bytes, plan_all_gather(layout, r, 1, net).window_bytes);
   }
-  test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, bytes);
     HostExecutor executor(*window, std::chrono::milliseconds(20000));
     const Program ag = plan_all_gather(layout, rank, 1, net);
@@ -168,41 +169,32 @@ TEST(MultinodeExec, LlamaLikeBucketFp32Within1e6) {
 TEST(MultinodeExec, MissingRailPeerTimesOutNamingTheTransfer) {
   BucketLayout layout({{"w", {16, 4}}}, Topology{2, 2});
   const int world = 4;
-  auto rendezvous = make_thread_rendezvous(world);
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
   const std::size_t bytes = plan_all_gather(layout, 0, 4, NetOptions{}).window_bytes;
-  std::vector<std::unique_ptr<HostWindow>> windows(world);
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      ThreadBootstrap boot(rendezvous, r, std::chrono::seconds(10));
-      windows[r] = HostWindow::create(boot, bytes);
-      boot.barrier();
-      if (r == 3) return;  // rank 3 (node 1) never runs the collective
-      try {
+  std::vector<std::unique_ptr<HostWindow>> windows(world);  // rank 3's outlives the others' waits
+  const std::vector<std::string> reports = harness::run_rank_threads(
+      world,
+      [&](int r, Bootstrap& boot) {
+        windows[r] = HostWindow::create(boot, bytes);
+        boot.barrier();
+        if (r == 3) return;  // rank 3 (node 1) never runs the collective
         HostExecutor ex(*windows[r], std::chrono::milliseconds(300));
         test::RankBuffers b(layout, Collective::kAllGather, r, 1);
         ex.run(plan_all_gather(layout, r, 4, NetOptions{}), b.bindings);
-      } catch (const TimeoutError& e) {
-        errors[r] = e.what();
-      } catch (const std::exception& e) {
-        errors[r] = std::string("other: ") + e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+      },
+      std::chrono::seconds(10));
   // Rank 1 (node 0, local 1) has rail peer 3: its network wait times out and says where.
-  EXPECT_NE(errors[1].find("rank 1: timed out"), std::string::npos) << errors[1];
-  EXPECT_NE(errors[1].find("rank 3"), std::string::npos) << errors[1];
-  EXPECT_NE(errors[1].find("bucket 4 all_gather"), std::string::npos) << errors[1];
-  EXPECT_NE(errors[1].find("epoch 1"), std::string::npos) << errors[1];
-  EXPECT_NE(errors[1].find("host network transport"), std::string::npos) << errors[1];
-  for (int r : {0, 2}) EXPECT_FALSE(errors[r].empty()) << r;  // everyone else fails too, bounded
+  EXPECT_NE(reports[1].find("rank 1: timed out"), std::string::npos) << reports[1];
+  EXPECT_NE(reports[1].find("rank 3"), std::string::npos) << reports[1];
+  EXPECT_NE(reports[1].find("bucket 4 all_gather"), std::string::npos) << reports[1];
+  EXPECT_NE(reports[1].find("epoch 1"), std::string::npos) << reports[1];
+  EXPECT_NE(reports[1].find("host network transport"), std::string::npos) << reports[1];
+  for (int r : {0, 2}) EXPECT_NE(reports[r], "ok") << r;  // everyone else fails too, bounded
 }
 
 TEST(MultinodeExec, DesyncedBucketsOnTheNetworkFail) {
   BucketLayout layout({{"w", {16, 4}}}, Topology{2, 1});
   std::vector<std::string> errors(2);
-  test::run_threads(2, [&](int r, Bootstrap& boot) {
+  harness::run_rank_threads_or_throw(2, [&](int r, Bootstrap& boot) {
     auto window = HostWindow::create(boot, layout.window_bytes());
     HostExecutor ex(*window, std::chrono::milliseconds(2000));
     test::RankBuffers b(layout, Collective::kAllGather, r, 1);
@@ -291,7 +283,7 @@ TEST(MultinodeExec, VerifierAcceptsOnlySetsThatRunRight) {
     ++ran;
     std::vector<std::string> wrong(layout.world());
     try {
-      test::run_threads(layout.world(), [&](int rank, Bootstrap& bootstrap) {
+      harness::run_rank_threads_or_throw(layout.world(), [&](int rank, Bootstrap& bootstrap) {
         auto window = HostWindow::create(bootstrap, bytes);
         HostExecutor executor(*window, std::chrono::milliseconds(3000));
         test::RankBuffers b(layout, c, rank, 9 + i);
@@ -325,8 +317,7 @@ std::string process_step(const BucketLayout& layout, int rank, HostExecutor& exe
 TEST(MultinodeExec, VirtualNodesAsProcesses) {
   for (const Topology t : {Topology{2, 2}, Topology{3, 1}}) {
     const int world = t.world();
-    const test::ProcessRun run = test::run_processes(world, [&](int rank, Bootstrap& bootstrap,
-                                                                const std::string&) {
+    const harness::RankProcesses run = harness::run_rank_processes(world, [&](int rank, Bootstrap& bootstrap) {
       std::mt19937_64 rng(77 + world);  // same layouts on every rank
       auto window = HostWindow::create(bootstrap, 1 << 20);
       HostExecutor executor(*window, std::chrono::milliseconds(20000));
@@ -345,8 +336,7 @@ TEST(MultinodeExec, VirtualNodesAsProcesses) {
 TEST(MultinodeExec, DeadRailPeerIsNoticedByTheNetworkWait) {
   const Topology t{2, 2};
   BucketLayout layout({{"w", {64, 16}}}, t);
-  const test::ProcessRun run = test::run_processes(4, [&](int rank, Bootstrap& bootstrap,
-                                                          const std::string&) {
+  const harness::RankProcesses run = harness::run_rank_processes(4, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, 1 << 16);
     HostExecutor executor(*window, std::chrono::milliseconds(5000));
     std::string r = process_step(layout, rank, executor, *window, 1, NetOptions{});
@@ -379,7 +369,7 @@ TEST(MultinodeExec, ApiClassesSizeTheirWindowsAndRun) {
   EXPECT_EQ(AllGather(layout, 0, 1, net).window_bytes(), layout.window_bytes());
   EXPECT_GT(ReduceScatter(layout, 0, options, 2, net).window_bytes(), layout.window_bytes());
   std::vector<std::string> wrong(layout.world());
-  test::run_threads(layout.world(), [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(layout.world(), [&](int rank, Bootstrap& bootstrap) {
     const AllGather ag(layout, rank, 1, net);
     const ReduceScatter rs(layout, rank, options, 2, net);
     auto window = HostWindow::create(bootstrap, std::max(ag.window_bytes(), rs.window_bytes()));

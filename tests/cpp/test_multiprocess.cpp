@@ -6,13 +6,14 @@
 #include <random>
 
 #include "process_util.hpp"
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 namespace tide {
 namespace {
 
 using test::Buffer;
-using test::ProcessRun;
+using harness::RankProcesses;
 
 void ag_rs_step(const BucketLayout& layout, int rank, HostExecutor& executor, HostWindow& window,
                 uint64_t seed) {
@@ -50,8 +51,7 @@ class MultiProcess : public ::testing::TestWithParam<int> {};
 
 TEST_P(MultiProcess, RandomBucketsAcrossProcesses) {
   const int world = GetParam();
-  const ProcessRun run = test::run_processes(world, [&](int rank, Bootstrap& bootstrap,
-                                                        const std::string&) {
+  const RankProcesses run = harness::run_rank_processes(world, [&](int rank, Bootstrap& bootstrap) {
     std::mt19937_64 rng(500 + world);  // same sequence on every rank: same layouts
     auto window = HostWindow::create(bootstrap, 1 << 20);
     HostExecutor executor(*window, std::chrono::milliseconds(20000));
@@ -73,8 +73,7 @@ INSTANTIATE_TEST_SUITE_P(W, MultiProcess, ::testing::Values(2, 3, 4, 8));
 TEST(MultiProcess, KilledRankMakesSurvivorsTimeOutAndLeavesNoSegments) {
   const int world = 4;
   BucketLayout layout({{"w", {64, 16}}}, Topology::single_node(world));
-  const ProcessRun run = test::run_processes(world, [&](int rank, Bootstrap& bootstrap,
-                                                        const std::string&) {
+  const RankProcesses run = harness::run_rank_processes(world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, std::chrono::milliseconds(500));
     ag_rs_step(layout, rank, executor, *window, 3);  // one good step first
@@ -96,7 +95,7 @@ TEST(MultiProcess, KilledRankMakesSurvivorsTimeOutAndLeavesNoSegments) {
     }
   }
   EXPECT_GE(direct, 1);
-  EXPECT_EQ(run.reports[3], "");  // killed: reported nothing
+  EXPECT_EQ(run.reports[3].rfind("no result", 0), 0u) << run.reports[3];  // killed: reported nothing
   EXPECT_TRUE(WIFSIGNALED(run.statuses[3]) && WTERMSIG(run.statuses[3]) == SIGKILL);
   EXPECT_EQ(test::shm_segments_of(run.pids), std::set<std::string>{})
       << "shared-memory segments leaked";

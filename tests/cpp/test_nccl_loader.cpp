@@ -6,7 +6,7 @@
 
 #include <cstdlib>
 
-#include "process_util.hpp"
+#include "rank_runner.hpp"
 #include "tide/error.hpp"
 #include "tide/nccl.hpp"
 
@@ -14,7 +14,7 @@ namespace tide {
 namespace {
 
 std::string load_in_child(const char* env_path) {
-  const test::ProcessRun run = test::run_processes(1, [&](int, Bootstrap&, const std::string&) {
+  const harness::RankProcesses run = harness::run_rank_processes(1, [&](int, Bootstrap&) {
     if (env_path) ::setenv("TIDE_NCCL_LIB", env_path, 1);
     const NcclLibrary& nccl = NcclLibrary::get();
     return "loaded " + nccl.version_string() + " from " + nccl.path();

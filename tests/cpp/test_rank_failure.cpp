@@ -5,15 +5,19 @@
 // shared-memory segment may be left behind.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+
 #include <cstdlib>
 
 #include "process_util.hpp"
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 namespace tide {
 namespace {
 
-using test::ProcessRun;
+using harness::RankProcesses;
 
 constexpr int kWorld = 4;
 constexpr int kVictim = 3;
@@ -57,7 +61,7 @@ std::string survivor(Collective c, int rank, HostExecutor& executor, HostWindow&
   } catch (...) {
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                         std::chrono::steady_clock::now() - start).count();
-    return "after " + std::to_string(ms) + " ms: " + test::describe_exception(std::current_exception());
+    return "after " + std::to_string(ms) + " ms: " + harness::describe_exception(std::current_exception());
   }
 }
 
@@ -68,7 +72,7 @@ long elapsed_ms(const std::string& report) { return std::atol(report.c_str() + 6
 // it waited in plus `fragments`. A survivor may instead wait on another survivor that failed first
 // (then its error propagates, naming the rank the failure started at), but at least one fails on
 // the victim directly.
-void expect_survivors_failed(const ProcessRun& run, Collective c, long timeout_ms,
+void expect_survivors_failed(const RankProcesses& run, Collective c, long timeout_ms,
                              const std::vector<std::string>& fragments) {
   ASSERT_FALSE(run.hung) << "a rank hung";
   const std::string coll = std::string("bucket 5 ") + collective_name(c);
@@ -104,9 +108,10 @@ TEST_P(RankFailure, KilledByTheParentWhileWaitingInsideTheCollective) {
   const Collective c = GetParam();
   const long timeout_ms = 3000;
   int victim_status = 0;
-  const ProcessRun run = test::run_processes(
+  const harness::TempDir dir;
+  const RankProcesses run = harness::run_rank_processes(
       kWorld,
-      [&](int rank, Bootstrap& bootstrap, const std::string& dir) {
+      [&](int rank, Bootstrap& bootstrap) {
         auto window = HostWindow::create(bootstrap, layout().window_bytes());
         HostExecutor executor(*window, std::chrono::milliseconds(rank == kVictim ? 60000 : timeout_ms));
         good_steps(rank, executor, *window);
@@ -115,17 +120,17 @@ TEST_P(RankFailure, KilledByTheParentWhileWaitingInsideTheCollective) {
           executor.run(test::plan_for(c, layout(), rank, kBucket), buffers.bindings);
           return std::string("the victim completed");
         }
-        return survivor(c, rank, executor, *window, dir, /*wait_for_victim=*/true);
+        return survivor(c, rank, executor, *window, dir.path(), /*wait_for_victim=*/true);
       },
-      [&](const std::vector<pid_t>& pids, const std::string& dir) {
-        for (int r = 0; r < kWorld; ++r)
-          if (r != kVictim) test::wait_for_file(dir + "/in." + std::to_string(r));
-        ::kill(pids[kVictim], SIGKILL);
-        ::waitpid(pids[kVictim], &victim_status, 0);
-        test::touch(dir + "/go");
-      });
+      {.dir = dir.path(), .while_running = [&](const std::vector<pid_t>& pids) {
+         for (int r = 0; r < kWorld; ++r)
+           if (r != kVictim) test::wait_for_file(dir.path() + "/in." + std::to_string(r));
+         ::kill(pids[kVictim], SIGKILL);
+         ::waitpid(pids[kVictim], &victim_status, 0);
+         test::touch(dir.path() + "/go");
+       }});
   EXPECT_TRUE(WIFSIGNALED(victim_status) && WTERMSIG(victim_status) == SIGKILL);
-  EXPECT_EQ(run.reports[kVictim], "");
+  EXPECT_EQ(run.reports[kVictim].rfind("no result", 0), 0u) << run.reports[kVictim];
   const std::string pid = std::to_string(run.pids[kVictim]);
   // Its process is gone, so the survivors need not wait for the timeout; its last published state
   // shows where it was: inside the collective, waiting for rank 0.
@@ -142,8 +147,9 @@ TEST_P(RankFailure, KilledByTheParentWhileWaitingInsideTheCollective) {
 TEST_P(RankFailure, DiesAfterItsPushesBeforeItsSignals) {
   const Collective c = GetParam();
   const long timeout_ms = 3000;
-  const ProcessRun run = test::run_processes(
-      kWorld, [&](int rank, Bootstrap& bootstrap, const std::string& dir) {
+  const harness::TempDir dir;
+  const RankProcesses run = harness::run_rank_processes(
+      kWorld, [&](int rank, Bootstrap& bootstrap) {
         auto window = HostWindow::create(bootstrap, layout().window_bytes());
         HostExecutor executor(*window, std::chrono::milliseconds(timeout_ms));
         good_steps(rank, executor, *window);
@@ -159,8 +165,9 @@ TEST_P(RankFailure, DiesAfterItsPushesBeforeItsSignals) {
           executor.run(program, buffers.bindings);
           ::kill(::getpid(), SIGKILL);
         }
-        return survivor(c, rank, executor, *window, dir, /*wait_for_victim=*/false);
-      });
+        return survivor(c, rank, executor, *window, dir.path(), /*wait_for_victim=*/false);
+      },
+      {.dir = dir.path()});
   EXPECT_TRUE(WIFSIGNALED(run.statuses[kVictim]) && WTERMSIG(run.statuses[kVictim]) == SIGKILL);
   const std::string pid = std::to_string(run.pids[kVictim]);
   expect_survivors_failed(run, c, timeout_ms,
@@ -176,10 +183,11 @@ TEST_P(RankFailure, DiesAfterItsPushesBeforeItsSignals) {
 TEST_P(RankFailure, StuckRankTimesOutAtTheConfiguredTimeout) {
   const Collective c = GetParam();
   const long timeout_ms = 1000;
-  const ProcessRun run = test::run_processes(
+  const harness::TempDir dir;
+  const RankProcesses run = harness::run_rank_processes(
       kWorld,
-      [&](int rank, Bootstrap& bootstrap, const std::string& dir) {
-        const std::string log = dir + "/stderr." + std::to_string(rank);
+      [&](int rank, Bootstrap& bootstrap) {
+        const std::string log = dir.path() + "/stderr." + std::to_string(rank);
         if (rank != kVictim) {
           ::setenv("TIDE_DEBUG", "1", 1);
           if (!std::freopen(log.c_str(), "w", stderr)) return std::string("cannot redirect stderr");
@@ -192,22 +200,22 @@ TEST_P(RankFailure, StuckRankTimesOutAtTheConfiguredTimeout) {
           executor.run(test::plan_for(c, layout(), rank, kBucket), buffers.bindings);
           return std::string("the victim completed");
         }
-        std::string report = survivor(c, rank, executor, *window, dir, /*wait_for_victim=*/true);
+        std::string report = survivor(c, rank, executor, *window, dir.path(), /*wait_for_victim=*/true);
         std::fflush(stderr);
         std::ifstream in(log);
         std::string debug;
         std::getline(in, debug, '\0');
         return report + "\nstderr: " + debug;
       },
-      [&](const std::vector<pid_t>& pids, const std::string& dir) {
-        for (int r = 0; r < kWorld; ++r)
-          if (r != kVictim) test::wait_for_file(dir + "/in." + std::to_string(r));
-        ::kill(pids[kVictim], SIGSTOP);
-        test::touch(dir + "/go");
-        for (int r = 0; r < kWorld; ++r)
-          if (r != kVictim) test::wait_for_file(dir + "/report." + std::to_string(r));
-        ::kill(pids[kVictim], SIGKILL);
-      });
+      {.dir = dir.path(), .while_running = [&](const std::vector<pid_t>& pids) {
+         for (int r = 0; r < kWorld; ++r)
+           if (r != kVictim) test::wait_for_file(dir.path() + "/in." + std::to_string(r));
+         ::kill(pids[kVictim], SIGSTOP);
+         test::touch(dir.path() + "/go");
+         for (int r = 0; r < kWorld; ++r)
+           if (r != kVictim) test::wait_for_file(dir.path() + "/report." + std::to_string(r));
+         ::kill(pids[kVictim], SIGKILL);
+       }});
   const std::string pid = std::to_string(run.pids[kVictim]);
   expect_survivors_failed(
       run, c, timeout_ms,

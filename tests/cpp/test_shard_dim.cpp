@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 namespace tide {
@@ -194,7 +195,7 @@ TEST(ShardDimHostExecutor, AllGatherAndReduceScatterMatchTheReference) {
       ReduceOptions o;
       o.prescale = 0.5f;
       const uint64_t seed = 40 + world;
-      test::run_threads(world, [&](int rank, Bootstrap& bootstrap) {
+      harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
         auto window = HostWindow::create(bootstrap, layout.window_bytes());
         std::memset(window->data(rank), 0xA5, layout.window_bytes());  // poison: must be overwritten
         HostExecutor executor(*window);

@@ -15,6 +15,7 @@
 #include <random>
 
 #include "process_util.hpp"
+#include "rank_runner.hpp"
 #include "test_util.hpp"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -98,7 +99,7 @@ TEST(Soak, RandomCollectivesOverPooledWindowsStayCorrectAndDoNotLeak) {
   std::vector<std::string> errors(kWorld);
   std::vector<long> collectives(kWorld, 0);
   const auto start = std::chrono::steady_clock::now();
-  test::run_threads(kWorld, [&](int rank, Bootstrap& bootstrap) {
+  harness::run_rank_threads_or_throw(kWorld, [&](int rank, Bootstrap& bootstrap) {
     // This rank's inputs and outputs for every case, made once.
     std::vector<test::RankBuffers> ag, rs;
     for (const Case& c : cases) {

@@ -1,11 +1,10 @@
-// Shared test helpers: random buckets, deterministic per-rank data, references, rank runners.
+// Shared test helpers: random buckets, deterministic per-rank data, references (the rank runners
+// are testing/rank_runner.hpp).
 #pragma once
 
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "tide/tide.hpp"
@@ -224,26 +223,6 @@ inline std::string check_result(const BucketLayout& layout, Collective c, int ra
     }
   }
   return "";
-}
-
-// Runs fn(rank, bootstrap) on `world` threads; rethrows the first exception.
-inline void run_threads(int world, const std::function<void(int, Bootstrap&)>& fn,
-                        std::chrono::milliseconds timeout = std::chrono::milliseconds(20000)) {
-  auto rendezvous = make_thread_rendezvous(world);
-  std::vector<std::exception_ptr> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        ThreadBootstrap bootstrap(rendezvous, r, timeout);
-        fn(r, bootstrap);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
 }
 
 }  // namespace tide::test

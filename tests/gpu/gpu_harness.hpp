@@ -1,32 +1,27 @@
-// Harness of the GPU tests: ranks as processes forked before this (parent) process touches CUDA,
-// scenarios (a sequence of collectives on one window) run identically by the host executor (the
-// reference, ranks as threads) and by the CUDA executor, and byte captures to compare.
+// Harness of the GPU tests: ranks as processes forked before this (parent) process touches CUDA
+// (testing/rank_runner.hpp, with the GPU tests' options), scenarios (a sequence of collectives on
+// one window) run identically by the host executor (the reference, ranks as threads) and by the
+// CUDA executor, and byte captures to compare.
 #pragma once
 
 #include <gtest/gtest.h>
 
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <functional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <cuda_runtime.h>
 
+#include "rank_runner.hpp"
+#include "test_util.hpp"
 #include "tide/cuda.hpp"
 #include "tide/tide.hpp"
-#include "test_util.hpp"
 
 // A CUDA runtime call in a test: throws with the call and the error text.
 #define CHECK_CUDA(call)                                                                      \
@@ -46,153 +41,44 @@
 
 namespace tide::gpu_test {
 
-// cuda_device_available(), or with TIDE_GPU_TEST_IN_PROCESS=1 (compute-sanitizer runs, where a
-// fork()ed child that starts CUDA hangs) asked in this process.
+// TIDE_GPU_TEST_IN_PROCESS=1: compute-sanitizer runs, where a fork()ed child that starts CUDA
+// hangs; single-rank tests then run in this process.
+inline bool in_process_requested() {
+  const char* env = std::getenv("TIDE_GPU_TEST_IN_PROCESS");
+  return env && *env == '1';
+}
+
+// cuda_device_available(), or in_process_requested() asked in this process.
 inline bool gpu_available() {
-  if (const char* env = std::getenv("TIDE_GPU_TEST_IN_PROCESS"); env && *env == '1') {
+  if (in_process_requested()) {
     int count = 0;
     return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
   }
   return cuda_device_available();
 }
 
-// ---- Files and processes. ----------------------------------------------------------------------
+// ---- Ranks as processes (testing/rank_runner.hpp). --------------------------------------------
 
-class TempDir {
- public:
-  TempDir() {
-    char pattern[] = "/tmp/tide-gpu-test-XXXXXX";
-    if (::mkdtemp(pattern) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
-
-inline void write_file(const std::string& path, const void* data, std::size_t bytes) {
-  std::ofstream out(path + ".tmp", std::ios::binary);
-  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
-  out.close();
-  std::filesystem::rename(path + ".tmp", path);
-}
-
-inline bool read_file(const std::string& path, std::string& out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  out = ss.str();
-  return true;
-}
-
-// Forks `world` ranks; rank r runs body(r, bootstrap) over a FileBootstrap in `dir` and reports
-// "ok" or "<exception type>: <what>". Returns the reports; a rank that exits without one reports
-// "no result (...)", one still running after `deadline` is killed and reports so. The parent
-// process never calls CUDA (a fork()ed child of a CUDA process cannot use CUDA).
-// The default deadline is 100 s, or TIDE_GPU_TEST_DEADLINE_S (compute-sanitizer runs are slow).
+// How long a rank may run: 100 s, or TIDE_GPU_TEST_DEADLINE_S (compute-sanitizer runs are slow).
 inline std::chrono::seconds default_rank_deadline() {
   const char* env = std::getenv("TIDE_GPU_TEST_DEADLINE_S");
   return std::chrono::seconds(env && *env ? std::atoi(env) : 100);
 }
 
-inline std::vector<std::string> run_rank_processes(
-    const std::string& dir, int world, const std::function<void(int, Bootstrap&)>& body,
-    std::chrono::seconds deadline = default_rank_deadline()) {
-  // TIDE_GPU_TEST_IN_PROCESS=1: a single rank runs in this process, unforked. compute-sanitizer
-  // needs it: a fork()ed child that starts CUDA under the sanitizer never finished (H200,
-  // 2026-11-30, > 280 s for a case that takes 1 s).
-  if (const char* env = std::getenv("TIDE_GPU_TEST_IN_PROCESS"); world == 1 && env && *env == '1') {
-    ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
-    try {
-      FileBootstrap bootstrap(dir, 0, 1, std::chrono::milliseconds(60000));
-      body(0, bootstrap);
-      return {"ok"};
-    } catch (const std::exception& e) {
-      return {std::string("error: ") + e.what()};
-    }
-  }
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    const pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error("fork failed");
-    if (pid == 0) {
-      // Before CUDA starts in this child: enough hardware queues that no two ranks' streams share
-      // one (see CudaExecutor in tide/cuda.hpp).
-      ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
-      std::string report = "ok";
-      try {
-        // Never destroyed: ~FileBootstrap removes this rank's file of the last round, which a
-        // slower peer may not have read yet (it would then wait for it forever). The parent
-        // removes the directory.
-        auto* bootstrap = new FileBootstrap(dir, r, world, std::chrono::milliseconds(60000));
-        body(r, *bootstrap);
-      } catch (const TimeoutError& e) {
-        report = std::string("TimeoutError: ") + e.what();
-      } catch (const DesyncError& e) {
-        report = std::string("DesyncError: ") + e.what();
-      } catch (const InvalidArgument& e) {
-        report = std::string("InvalidArgument: ") + e.what();
-      } catch (const std::exception& e) {
-        report = std::string("error: ") + e.what();
-      }
-      write_file(dir + "/report." + std::to_string(r), report.data(), report.size());
-      ::_exit(0);  // no atexit handlers: the parent's gtest state is not the child's to finish
-    }
-    pids.push_back(pid);
-  }
-  const auto end = std::chrono::steady_clock::now() + deadline;
-  std::vector<std::string> reports(world);
-  std::vector<bool> done(world, false);
-  for (int remaining = world; remaining > 0;) {
-    for (int r = 0; r < world; ++r) {
-      if (done[r]) continue;
-      int status = 0;
-      if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        done[r] = true, --remaining;
-        if (!read_file(dir + "/report." + std::to_string(r), reports[r]))
-          reports[r] = "no result (exit status " + std::to_string(status) + ")";
-      }
-    }
-    if (remaining > 0 && std::chrono::steady_clock::now() > end) {
-      for (int r = 0; r < world; ++r)
-        if (!done[r]) {
-          ::kill(pids[r], SIGKILL);
-          ::waitpid(pids[r], nullptr, 0);
-          reports[r] = "killed: still running after the test's deadline";
-          done[r] = true;
-        }
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  return reports;
+// The GPU tests' ranks as processes: their rendezvous (and whatever they write) in `dir`, 60 s
+// bootstrap waits, killed after `deadline`; a single rank in this process under
+// TIDE_GPU_TEST_IN_PROCESS=1. The parent never calls CUDA (a fork()ed child of a CUDA process
+// cannot use CUDA).
+inline harness::RankProcessOptions gpu_ranks(const harness::TempDir& dir,
+                                             std::chrono::seconds deadline = default_rank_deadline()) {
+  return {.dir = dir.path(),
+          .bootstrap_timeout = std::chrono::seconds(60),
+          .deadline = deadline,
+          .single_rank_in_process = in_process_requested()};
 }
 
-// Runs body(rank, bootstrap) on `world` threads of this process (a ThreadBootstrap each).
-inline std::vector<std::string> run_rank_threads(int world,
-                                                 const std::function<void(int, Bootstrap&)>& body) {
-  auto rendezvous = make_thread_rendezvous(world);
-  std::vector<std::string> reports(world, "ok");
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        ThreadBootstrap bootstrap(rendezvous, r, std::chrono::milliseconds(120000));
-        body(r, bootstrap);
-      } catch (const std::exception& e) {
-        reports[r] = std::string("error: ") + e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return reports;
-}
+// ThreadBootstrap waits of the GPU tests' ranks as threads.
+inline constexpr std::chrono::seconds kThreadRankTimeout{120};
 
 // ---- Deterministic data (never zeros). -------------------------------------------------------
 
@@ -306,7 +192,7 @@ inline std::vector<std::byte> capture_outputs(const BucketLayout& layout, const 
 inline std::vector<std::vector<std::vector<std::byte>>> host_reference(const Scenario& s) {
   const BucketLayout layout = s.layout();
   std::vector<std::vector<std::vector<std::byte>>> captures(s.world);
-  const auto reports = run_rank_threads(s.world, [&](int rank, Bootstrap& bootstrap) {
+  const auto reports = harness::run_rank_threads(s.world, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, window_bytes(s));
     HostExecutor executor(*window, std::chrono::milliseconds(60000));
     for (const Invocation& inv : s.sequence) {
@@ -319,7 +205,7 @@ inline std::vector<std::vector<std::vector<std::byte>>> host_reference(const Sce
                                    ? capture_window(layout, window->data(rank))
                                    : capture_outputs(layout, d, rank));
     }
-  });
+  }, kThreadRankTimeout);
   for (int r = 0; r < s.world; ++r)
     if (reports[r] != "ok") throw std::runtime_error("host reference rank " + std::to_string(r) +
                                                      ": " + reports[r]);

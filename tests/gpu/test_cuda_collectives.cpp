@@ -3,6 +3,7 @@
 // and mismatched ranks; bad bindings. Without a GPU every test skips, saying so.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include "gpu_harness.hpp"
 
@@ -104,7 +105,7 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
           CHECK_CUDA(cudaStreamSynchronize(stream));
           capture = capture_outputs(layout, d, rank);
         }
-        write_file(capture_name(dir, rank, rep, j), capture.data(), capture.size());
+        harness::write_file(capture_name(dir, rank, rep, j), capture.data(), capture.size());
       }
     }
   }
@@ -123,7 +124,7 @@ void check_scenario(const Scenario& s, const std::string& dir) {
       const Invocation& inv = s.sequence[j];
       for (int rep = 0; rep < s.repeats; ++rep) {
         std::string got;
-        ASSERT_TRUE(read_file(capture_name(dir, r, rep, j), got))
+        ASSERT_TRUE(harness::read_file(capture_name(dir, r, rep, j), got))
             << "rank " << r << " wrote no capture of invocation " << j << " repeat " << rep;
         std::vector<std::byte> bytes(got.size());
         std::memcpy(bytes.data(), got.data(), got.size());
@@ -154,10 +155,10 @@ void check_scenario(const Scenario& s, const std::string& dir) {
 }
 
 void run_and_check(const Scenario& s) {
-  TempDir dir;
-  const auto reports = run_rank_processes(dir.path(), s.world, [&](int rank, Bootstrap& b) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(s.world, [&](int rank, Bootstrap& b) {
     run_scenario_on_gpu(s, rank, b, dir.path());
-  });
+  }, gpu_ranks(dir)).reports;
   for (int r = 0; r < s.world; ++r) ASSERT_EQ(reports[r], "ok") << "rank " << r;
   check_scenario(s, dir.path());
 }
@@ -326,16 +327,16 @@ TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
              {{Collective::kAllGather, {}, 1, 51},
               {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, true), 1, 52}},
              2};
-  TempDir dir;
-  const auto reports = run_rank_processes(dir.path(), 1, [&](int, Bootstrap&) {
-    const auto thread_reports = run_rank_threads(world, [&](int rank, Bootstrap& b) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
+    const auto thread_reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
       ranks_are_threads = true;
       run_scenario_on_gpu(s, rank, b, dir.path());
-    });
+    }, kThreadRankTimeout);
     for (int r = 0; r < world; ++r)
       if (thread_reports[r] != "ok")
         throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
-  }, 120s);
+  }, gpu_ranks(dir, 120s)).reports;
   ASSERT_EQ(reports[0], "ok");
   check_scenario(s, dir.path());
 }
@@ -438,8 +439,8 @@ TEST(CudaCollectives, AddressRangeShowsTheMappedWindowAtAFixedAddress) {
   const int world = 2;
   const BucketLayout layout({{"w", {300, 70}, DType::kBF16, DType::kFP32}, {"b", {33}, DType::kBF16, DType::kFP32}},
                             Topology::single_node(world));
-  TempDir dir;
-  const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
     select_device(rank);
     cudaStream_t stream = nullptr;
     CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -487,7 +488,7 @@ TEST(CudaCollectives, AddressRangeShowsTheMappedWindowAtAFixedAddress) {
     b.barrier();
     windows.clear();
     CHECK_CUDA(cudaStreamDestroy(stream));
-  });
+  }, gpu_ranks(dir)).reports;
   for (int r = 0; r < world; ++r) EXPECT_EQ(reports[r], "ok") << "rank " << r;
 }
 
@@ -498,8 +499,8 @@ TEST(CudaCollectives, KilledRankMakesSurvivorsTimeOut) {
   const auto timeout = 3000ms;
   const BucketLayout layout({{"w", {64, 64}, DType::kBF16, DType::kFP32}},
                             Topology::single_node(world));
-  TempDir dir;
-  const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
     select_device(rank);
     auto window = CudaWindow::create(b, layout.window_bytes());
     if (rank == killed) ::_exit(0);  // dies before its collective, window mapped everywhere
@@ -526,8 +527,8 @@ TEST(CudaCollectives, KilledRankMakesSurvivorsTimeOut) {
     const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::steady_clock::now() - start);
     outcome += " | elapsed_ms=" + std::to_string(elapsed.count());
-    throw std::runtime_error(outcome);  // reported as "error: <outcome>"
-  });
+    throw std::runtime_error(outcome);  // reported as "std::exception: <outcome>"
+  }, gpu_ranks(dir)).reports;
   EXPECT_TRUE(reports[killed].rfind("no result", 0) == 0) << reports[killed];
   for (int r = 0; r < world; ++r) {
     if (r == killed) continue;
@@ -554,8 +555,8 @@ TEST(CudaCollectives, MismatchedBucketsRaiseDesyncError) {
   const int world = 2;
   const BucketLayout layout({{"w", {32, 16}, DType::kBF16, DType::kFP32}},
                             Topology::single_node(world));
-  TempDir dir;
-  const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
     select_device(rank);
     auto window = CudaWindow::create(b, layout.window_bytes());
     cudaStream_t stream = nullptr;
@@ -572,7 +573,7 @@ TEST(CudaCollectives, MismatchedBucketsRaiseDesyncError) {
       }
     }
     b.barrier();
-  });
+  }, gpu_ranks(dir)).reports;
   for (int r = 0; r < world; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r) + ": " + reports[r]);
     EXPECT_EQ(reports[r].rfind("DesyncError: rank " + std::to_string(r), 0), 0u);
@@ -591,8 +592,8 @@ TEST(CudaCollectives, IpcNetworkDesyncAndDeadPeer) {
   const BucketLayout layout({{"w", {32, 16}, DType::kBF16, DType::kFP32}}, Topology{2, 1});
   for (const bool dies : {false, true}) {
     SCOPED_TRACE(dies ? "rank 1 dies" : "rank 1 runs bucket 2");
-    TempDir dir;
-    const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+    const harness::TempDir dir;
+    const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
       select_device(rank);
       auto window = CudaWindow::create(b, layout.window_bytes(), layout.topology(),
                                        CudaMemory::kMalloc, CudaReach::kHost);
@@ -612,7 +613,7 @@ TEST(CudaCollectives, IpcNetworkDesyncAndDeadPeer) {
         }
       }
       if (!dies) b.barrier();
-    });
+    }, gpu_ranks(dir)).reports;
     if (dies) {
       const std::string& m = reports[0];
       SCOPED_TRACE(m);
@@ -652,38 +653,38 @@ TEST(CudaCollectives, ReduceScatterUnderReduceBudgetsMatchesHostExecutor) {
                              "ctas=3,tiles=persistent,priority=low", "ctas=264,tiles=1",
                              "priority=low"}) {
     SCOPED_TRACE(budget);
-    TempDir dir;
-    const auto reports = run_rank_processes(dir.path(), world, [&](int rank, Bootstrap& b) {
+    const harness::TempDir dir;
+    const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
       ::setenv("TIDE_CUDA_REDUCE_BUDGET", budget, 1);
       run_scenario_on_gpu(s, rank, b, dir.path());
-    });
+    }, gpu_ranks(dir)).reports;
     for (int r = 0; r < world; ++r) ASSERT_EQ(reports[r], "ok") << "rank " << r;
     check_scenario(s, dir.path());
   }
-  TempDir dir;
-  const auto reports = run_rank_processes(dir.path(), 1, [&](int rank, Bootstrap& b) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int rank, Bootstrap& b) {
     select_device(rank);
     ::setenv("TIDE_CUDA_REDUCE_BUDGET", "ctas=lots", 1);
     auto window = CudaWindow::create(b, 4096);
     cudaStream_t stream = nullptr;
     CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     CudaExecutor executor(*window, stream);
-  });
+  }, gpu_ranks(dir)).reports;
   EXPECT_EQ(reports[0].rfind("InvalidArgument: TIDE_CUDA_REDUCE_BUDGET='ctas=lots'", 0), 0u) << reports[0];
 }
 
 TEST(CudaCollectives, RejectsBadBindingsBeforeEnqueuing) {
   TIDE_REQUIRE_GPU();
   const BucketLayout layout({{"w", {8, 8}, DType::kBF16, DType::kFP32}}, Topology::single_node(1));
-  TempDir dir;
-  const auto reports = run_rank_processes(dir.path(), 1, [&](int rank, Bootstrap& b) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int rank, Bootstrap& b) {
     select_device(rank);
     auto window = CudaWindow::create(b, layout.window_bytes());
     cudaStream_t stream = nullptr;
     CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     CudaExecutor executor(*window, stream, 1000ms);
     executor.run(plan_all_gather(layout, 0), Bindings{});  // no input bound
-  });
+  }, gpu_ranks(dir)).reports;
   EXPECT_EQ(reports[0].rfind("InvalidArgument: Executor::run: inputs.size() = 0", 0), 0u)
       << reports[0];
 }

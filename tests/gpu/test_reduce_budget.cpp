@@ -180,8 +180,8 @@ TEST(CudaKernels, BudgetedReduceIsBitwiseTheDefault) {
   // {max_ctas, tiles_per_cta}: 0 = default grid / persistent.
   const std::vector<cuda_kernels::ReduceGrid> grids = {
       {1, 1}, {1, 0}, {8, 1}, {16, 4}, {7, 3}, {32, 0}, {132, 1}, {264, 0}, {264, 1}, {0, 2}, {66, 4}, {3, 1000}};
-  TempDir dir;
-  const auto reports = run_rank_processes(dir.path(), 1, [&](int, Bootstrap&) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
     CHECK_CUDA(cudaSetDevice(0));
     cuda_kernels::preload_kernels();
     cudaStream_t stream = nullptr;
@@ -211,7 +211,7 @@ TEST(CudaKernels, BudgetedReduceIsBitwiseTheDefault) {
       }
     }
     CHECK_CUDA(cudaStreamDestroy(stream));
-  });
+  }, gpu_ranks(dir)).reports;
   ASSERT_EQ(reports[0], "ok");
 }
 

@@ -5,6 +5,9 @@ Each scenario trains the same model from the same seed three times: stock FSDP2,
 The worker reports, per scenario, the parameter differences, whether the two TIDE runs were bitwise
 identical, the FSDP2 layout-conversion ops that ran (counted with a TorchDispatchMode), the pooled
 windows and the fallbacks.
+
+compare() does the same side by side on thread-ranks (threaded_world.py), for the tests that train
+their own models there.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
+
+import threaded_world
+import tide
+import tide.fsdp
 
 DIM, HEADS, KV_HEADS, HIDDEN, VOCAB = 32, 4, 2, 88, 67  # 88 and 67: dim 0 not divisible by 3 or 4
 
@@ -193,9 +200,6 @@ def train(model, opts, device, steps=3):
 
 
 def run_scenario(opts, world, device):
-    import tide
-    import tide.fsdp
-
     stock_opts = {**opts, **opts.get("stock", {})}
     stock, stock_ops = train(build(stock_opts, world, device), stock_opts, device)
     runs = []
@@ -278,3 +282,42 @@ def run_world(world: int, device_type: str = "cpu") -> dict:
                            join=True, start_method="spawn")
         per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
     return {n: [per_rank[r][n] for r in range(world)] for n in names}
+
+
+# --- thread-ranks: stock FSDP2 and TIDE side by side ----------------------------------------------
+
+def assert_handled(handle, ops, groups):
+    """TIDE took all `groups` groups (no fallback), counted its collectives, and none of the copies
+    `ops` counts (FSDP2's layout copies, by op name) ran."""
+    assert len(handle.buckets) == groups and handle.fallbacks == [], (handle, handle.fallbacks)
+    counts = handle.counts()
+    assert counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, counts
+    assert not any(ops.values()), f"TIDE ran layout copies {ops}"
+
+
+def compare(world, build, train, groups, tol=0.0, before_train=None, stock_copy="chunk_cat"):
+    """Stock FSDP2 vs TIDE on `world` thread-ranks: each rank trains build() with train(model) ->
+    (params, counts of the copies), once stock and once with TIDE (before_train(model, handle)
+    between enable and training), and asserts that the counter saw stock run `stock_copy`, that
+    TIDE handled the model (assert_handled) and that its parameters are within `tol` of stock's
+    (0: bitwise). Returns per rank (max |TIDE - stock|, handle, TIDE's counts)."""
+
+    def rank_fn(rank):
+        stock, stock_ops = train(build())
+        model = build()
+        handle = tide.fsdp.enable(model, timeout_ms=30000)
+        if before_train:
+            before_train(model, handle)
+        try:
+            mine, ops = train(model)
+        finally:
+            tide.fsdp.disable(model)
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(mine, stock) if a.numel())
+        return diff, handle, stock_ops, ops
+
+    results = threaded_world.run(world, rank_fn)
+    for rank, (diff, handle, stock_ops, ops) in enumerate(results):
+        assert stock_ops[stock_copy] > 0, f"rank {rank}: the counter sees no {stock_copy} of stock's: {stock_ops}"
+        assert_handled(handle, ops, groups)
+        assert diff <= tol, f"rank {rank}: max |TIDE - stock| = {diff} > {tol}"
+    return [(diff, handle, ops) for diff, handle, _, ops in results]

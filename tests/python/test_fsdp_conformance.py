@@ -85,36 +85,13 @@ def _step_counts(world=2):
 STEP_COUNTS = _step_counts()
 
 
-def assert_handled(handle, ops, groups=6):
-    assert len(handle.buckets) == groups and handle.fallbacks == [], (handle, handle.fallbacks)
-    counts = handle.counts()
-    assert counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, counts
-    assert ops == {"split_with_sizes_copy": 0, "chunk_cat": 0, "all_gather_copy_in": 0}, ops
+GROUPS = 6  # make()'s: the root and its 5 blocks
 
 
 def compare(world, build, train_kwargs=None, before_train=None, tol=0.0):
-    """stock vs TIDE on `world` thread-ranks; returns per rank (max |diff|, handle)."""
-    train_kwargs = train_kwargs or {}
-
-    def rank_fn(rank):
-        stock, stock_ops = train(build(), **train_kwargs)
-        assert stock_ops["chunk_cat"] > 0, "the counter sees stock FSDP2's copies"
-        model = build()
-        handle = tide.fsdp.enable(model, timeout_ms=30000)
-        if before_train:
-            before_train(model, handle)
-        try:
-            mine, ops = train(model, **train_kwargs)
-        finally:
-            tide.fsdp.disable(model)
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(mine, stock) if a.numel())
-        return diff, handle, ops
-
-    results = threaded_world.run(world, rank_fn)
-    for rank, (diff, handle, ops) in enumerate(results):
-        assert_handled(handle, ops)
-        assert diff <= tol, f"rank {rank}: max |TIDE - stock| = {diff} > {tol}"
-    return results
+    """fsdp_harness.compare with this module's train(**train_kwargs) and make()'s groups."""
+    return h.compare(world, build, lambda model: train(model, **(train_kwargs or {})), GROUPS,
+                     tol=tol, before_train=before_train)
 
 
 # --- ranks as threads ------------------------------------------------------------------------------
@@ -193,7 +170,7 @@ def test_a_retry_after_a_timeout_meets_on_fresh_keys():
 
     for rank, (first, handle, ops) in enumerate(threaded_world.run(2, rank_fn, timeout_s=90)):
         assert isinstance(first, TimeoutError), f"rank {rank}: first enable gave {first!r}"
-        assert_handled(handle, ops)
+        h.assert_handled(handle, ops, GROUPS)
 
 
 def test_a_rank_that_never_enables_is_named_within_the_timeout():
@@ -338,7 +315,7 @@ def test_async_unshard_in_flight_is_refused_then_enable_works_after_it():
         mine, ops = train(model)
         tide.fsdp.disable(model)
         stock, _ = train(make())
-        assert_handled(handle, ops)
+        h.assert_handled(handle, ops, GROUPS)
         return all(torch.equal(a, b) for a, b in zip(mine, stock))
 
     assert threaded_world.run(2, rank_fn) == [True, True]

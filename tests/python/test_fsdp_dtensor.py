@@ -21,8 +21,6 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_harness as h
-import threaded_world
-import tide.fsdp
 
 DIM, HEADS, HIDDEN, VOCAB = 32, 4, 64, 48
 _construct = threading.Lock()  # torch's global RNG: one thread-rank builds its model at a time
@@ -145,37 +143,19 @@ def train(model, steps=2):
     return params, counter.counts
 
 
-def compare(world, build, groups, tol=0.0):
-    def rank_fn(rank):
-        stock, stock_ops = train(build())
-        assert stock_ops["chunk_cat"] > 0, "the counter sees stock FSDP2's copies"
-        model = build()
-        assert any(isinstance(p, DTensor) for p in model.parameters())
-        handle = tide.fsdp.enable(model, timeout_ms=30000)
-        try:
-            mine, ops = train(model)
-        finally:
-            tide.fsdp.disable(model)
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(mine, stock) if a.numel())
-        return diff, handle, ops
-
-    for rank, (diff, handle, ops) in enumerate(threaded_world.run(world, rank_fn)):
-        assert handle.fallbacks == [] and len(handle.buckets) == groups, (rank, handle.fallbacks)
-        counts = handle.counts()
-        assert counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, (rank, counts)
-        assert ops == {"split_with_sizes_copy": 0, "chunk_cat": 0, "all_gather_copy_in": 0}, (rank, ops)
-        assert diff <= tol, f"rank {rank}: max |TIDE - stock| = {diff} > {tol}"
+def params_are_dtensors(model, handle):
+    assert any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def test_tensor_parallel_2_by_fsdp_2():
-    compare(4, tp_fsdp, groups=3)
+    h.compare(4, tp_fsdp, train, groups=3, before_train=params_are_dtensors)
 
 
 def test_hsdp_2_by_2_by_tensor_parallel_2():
-    compare(8, hsdp_tp, groups=3)
+    h.compare(8, hsdp_tp, train, groups=3, before_train=params_are_dtensors)
 
 
 def test_dtensor_on_the_full_mesh():
     if not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
         pytest.skip(f"torch {torch.__version__} has no DataParallelMeshDims (full-mesh DTensor FSDP2)")
-    compare(4, full_mesh_dtensor, groups=3)
+    h.compare(4, full_mesh_dtensor, train, groups=3, before_train=params_are_dtensors)

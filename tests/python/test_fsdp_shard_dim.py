@@ -102,35 +102,14 @@ def train(model, steps=2):
     return params_of(model), counter.counts
 
 
-def compare(world, build, groups, tol):
-    def rank_fn(rank):
-        stock, stock_copies = train(build())
-        model = build()
-        handle = tide.fsdp.enable(model, timeout_ms=30000)
-        try:
-            mine, copies = train(model)
-        finally:
-            tide.fsdp.disable(model)
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(mine, stock) if a.numel())
-        return diff, handle, stock_copies, copies
-
-    for rank, (diff, handle, stock_copies, copies) in enumerate(threaded_world.run(world, rank_fn)):
-        assert len(handle.buckets) == groups and handle.fallbacks == [], (handle, handle.fallbacks)
-        counts = handle.counts()
-        assert counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, counts
-        assert stock_copies["aten.cat"] > 0, f"the counter sees stock's chunk-cat: {stock_copies}"
-        assert copies == dict.fromkeys(COPIES, 0), f"rank {rank}: TIDE ran layout copies {copies}"
-        assert diff <= tol, f"rank {rank}: max |TIDE - stock| = {diff} > {tol}"
-
-
 @pytest.mark.parametrize("world, tol", [(2, 0.0), (4, 1e-6)])
 def test_grouped_experts_sharded_on_dims_1_and_2(world, tol):
-    compare(world, make_moe, groups=3, tol=tol)
+    h.compare(world, make_moe, train, groups=3, tol=tol, stock_copy="aten.cat")
 
 
 @pytest.mark.parametrize("world, tol", [(2, 0.0), (4, 1e-6)])
 def test_every_matrix_sharded_on_dim_1(world, tol):
-    compare(world, make_llama_dim1, groups=4, tol=tol)
+    h.compare(world, make_llama_dim1, train, groups=4, tol=tol, stock_copy="aten.cat")
 
 
 def test_inner_shard_dims_across_nodes_fall_back_naming_the_param():
