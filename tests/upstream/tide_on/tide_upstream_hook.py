@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 
 _log_path = os.environ.get("TIDE_UPSTREAM_LOG")
@@ -131,6 +132,12 @@ def install() -> None:
         except ImportError:
             continue
         if getattr(mod, "fully_shard", None) is orig:
+            mod.fully_shard = fully_shard
+    # Modules that bound the original by `from ... import fully_shard` before this ran (PyTorch's
+    # test helpers in torch.testing._internal.common_fsdp, e.g. MLPStack.parallelize, which the ND
+    # mesh tests shard with): without this their fully_shard calls would bypass the hook.
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and getattr(mod, "fully_shard", None) is orig:
             mod.fully_shard = fully_shard
     for name in ("tide", "tide.fsdp"):
         logging.getLogger(name).addHandler(_ToJson())
