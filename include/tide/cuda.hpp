@@ -213,8 +213,7 @@ class CudaExecutor final : public Executor {
     double network_cta_us = 0; // CTA-microseconds of the IPC network's pull kernels
     int copies = 0;            // copy-engine copies enqueued
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
-    int copies_2d = 0;           // cudaMemcpy2DAsync calls (blocks of params sharded on a dim > 0,
-                                 // and runs of equal params pushed as one copy)
+    int copies_2d = 0;           // cudaMemcpy2DAsync calls (blocks of params sharded on a dim > 0)
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
   };

@@ -49,9 +49,7 @@ inline constexpr int kNumFlagKinds = 2;
 
 // `rows` rows of `bytes` bytes: row j from src + j * src_pitch to dst + j * dst_pitch (rows = 1 is
 // a plain copy, pitches unused). 2-D copies move a param's block when it is sharded on a dim > 0
-// (layout.hpp), and an all-gather push of equal params side by side (one row per param, the
-// params' stride as pitch: one copy-engine operation instead of one per param); rows must not
-// overlap (pitch >= bytes), so every executor may run them in any order.
+// (layout.hpp); rows must not overlap (pitch >= bytes), so every executor may run them in any order.
 struct CopyOp {
   Address dst;
   Address src;

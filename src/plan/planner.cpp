@@ -93,39 +93,6 @@ CopyOp chunk_push(const ParamLayout& p, int i, int q, int from) {
           p.outer_rows > 1 ? row : 0};
 }
 
-// Consecutive copies whose sources and destinations advance by one stride (params of one shape
-// side by side, e.g. per-expert weights: their blocks sit one param region apart in both windows)
-// become one 2-D copy with that stride as pitch. A copy-engine operation costs microseconds
-// whatever its size, so a peer's push of n such params costs one instead of n. The verifier
-// checks each row on its own, so a row may belong to any param.
-CopyBatch coalesce(CopyBatch batch) {
-  std::vector<CopyOp> merged;
-  for (const CopyOp& c : batch.copies) {
-    if (!merged.empty() && c.rows == 1 && c.bytes > 0) {
-      CopyOp& run = merged.back();
-      const bool same_buffers = run.bytes == c.bytes && run.src.space == c.src.space &&
-                                run.src.index == c.src.index && run.dst.space == c.dst.space &&
-                                run.dst.index == c.dst.index;
-      if (same_buffers && run.rows == 1 && c.dst.offset > run.dst.offset &&
-          c.dst.offset - run.dst.offset >= c.bytes &&
-          c.src.offset - run.src.offset == c.dst.offset - run.dst.offset) {
-        run.src_pitch = run.dst_pitch = c.dst.offset - run.dst.offset;
-        run.rows = 2;
-        continue;
-      }
-      if (same_buffers && run.rows > 1 && run.src_pitch == run.dst_pitch &&
-          c.dst.offset == run.dst.offset + run.rows * run.dst_pitch &&
-          c.src.offset == run.src.offset + run.rows * run.src_pitch) {
-        ++run.rows;
-        continue;
-      }
-    }
-    merged.push_back(c);
-  }
-  batch.copies = std::move(merged);
-  return batch;
-}
-
 }  // namespace
 
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket) {
@@ -163,7 +130,7 @@ Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t 
   add_pushes(program, peers, [&](int q) {
     CopyBatch batch;
     for (const ParamLayout& p : params) batch.copies.push_back(block_push(p, q, rank));
-    return coalesce(std::move(batch));
+    return batch;
   });
   return program;
 }

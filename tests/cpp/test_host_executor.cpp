@@ -91,9 +91,8 @@ TEST_P(HostExecutorProperty, RandomBucketsAllGatherAndReduceScatter) {
 }
 INSTANTIATE_TEST_SUITE_P(W, HostExecutorProperty, ::testing::Values(1, 2, 3, 4, 5, 8));
 
-// Equal params side by side: the all-gather pushes them as one 2-D copy per peer (the rows land
-// in different params); the data must be what separate copies gave.
-TEST(HostExecutor, EqualParamsPushedAsOneStridedCopy) {
+// Runs of equal params side by side (per-expert weights), padded ones too, at several W.
+TEST(HostExecutor, RunsOfEqualParams) {
   for (int world : {2, 3, 8}) {
     std::vector<ParamSpec> specs;
     for (int i = 0; i < 12; ++i) specs.push_back({"e" + std::to_string(i), {16, 24}});

@@ -55,44 +55,6 @@ TEST(Plan, AllGatherPushesEverySlotOncePerPeer) {
   EXPECT_LT(text.find("wait slot_free <- rank 3"), text.find("wait slot_free <- rank 0"));
 }
 
-// Params of one shape side by side (per-expert weights): a peer's push of them is one 2-D copy
-// whose pitch is their stride in the window; a param of another shape ends the run.
-TEST(Plan, AllGatherPushesEqualParamsAsOneStridedCopy) {
-  std::vector<ParamSpec> specs;
-  for (int i = 0; i < 6; ++i) specs.push_back({"e" + std::to_string(i), {8, 64}});
-  specs.push_back({"norm", {64}});
-  for (int i = 0; i < 3; ++i) specs.push_back({"f" + std::to_string(i), {8, 64}});
-  specs.push_back({"odd", {7, 3}});  // uneven: padded blocks, still a run of one
-  BucketLayout layout(specs, Topology::single_node(4));
-  const std::vector<Program> programs = plan_all(layout, Collective::kAllGather);
-  ASSERT_NO_THROW(verify_programs(layout, programs));
-  std::size_t slots = 0;
-  for (const ParamLayout& p : layout.params()) slots += p.slot_bytes();
-  const std::size_t stride = layout.param(1).window_offset - layout.param(0).window_offset;
-  for (const Program& p : programs) {
-    EXPECT_EQ(p.bytes_pushed(), 3 * slots);
-    int batches = 0;
-    for (const Step& step : p.steps)
-      if (const auto* b = std::get_if<CopyBatch>(&step.op)) {
-        ++batches;
-        ASSERT_EQ(b->copies.size(), 4u) << p.to_string();  // e0..e5, norm, f0..f2, odd
-        EXPECT_EQ(b->copies[0].rows, 6u);
-        EXPECT_EQ(b->copies[0].bytes, layout.param(0).block_bytes());
-        EXPECT_EQ(b->copies[0].src_pitch, stride);
-        EXPECT_EQ(b->copies[0].dst_pitch, stride);
-        EXPECT_EQ(b->copies[1].rows, 1u);
-        EXPECT_EQ(b->copies[2].rows, 3u);
-        EXPECT_EQ(b->copies[3].rows, 1u);
-      }
-    EXPECT_EQ(batches, 3);
-  }
-  // A reduce-scatter reads each param's own gradient: nothing to merge.
-  for (const Program& p : plan_all(layout, Collective::kReduceScatter))
-    for (const Step& step : p.steps)
-      if (const auto* b = std::get_if<CopyBatch>(&step.op))
-        for (const CopyOp& c : b->copies) EXPECT_EQ(c.rows, 1u);
-}
-
 TEST(Plan, ReduceScatterReadsOwnChunkInPlaceAndPeersFromVacatedSlots) {
   BucketLayout layout({{"w", {7, 2}}}, Topology::single_node(3));  // c = 3: rows 3,3,1
   ReduceOptions o;

@@ -272,9 +272,9 @@ TEST(CudaCollectives, InnerShardDimsMatchHostExecutorBitwise) {
   }
 }
 
-// Equal params side by side (per-expert weights): each peer's all-gather push is one
-// cudaMemcpy2DAsync whose rows land in different params; padded ones (uneven dim 0) too.
-TEST(CudaCollectives, EqualParamsPushedAsOneStridedCopy) {
+// Runs of equal params side by side (per-expert weights: many copies per peer), padded ones
+// (uneven dim 0) too.
+TEST(CudaCollectives, RunsOfEqualParams) {
   TIDE_REQUIRE_GPU();
   for (int world : {2, 4}) {
     std::vector<ParamSpec> specs;
