@@ -5,8 +5,9 @@ the root FSDP2 module is fully sharded, i.e. just before its first forward.
 it shards gets a forward pre-hook, prepended so that it runs before FSDP2's own pre-forward (which
 does the lazy init and the first all-gather). The first time that hook runs on a module that is (or
 is about to become) a root and whose param groups TIDE does not handle yet, it calls
-``tide.fsdp.enable(module)``. A refusal or error from ``enable`` propagates into the test (the test
-then fails, as a user's program would), and is recorded.
+``tide.fsdp.enable(module)``; an explicit ``FSDPModule.unshard`` before the first forward does the
+same first. A refusal or error from ``enable`` propagates into the test (the test then fails, as a
+user's program would), and is recorded.
 
 Every event goes as one JSON line to $TIDE_UPSTREAM_LOG (pid, thread, event, details): "enable"
 (buckets handled, fallbacks with reasons), "enable_error", "not_applicable" (no param groups to
@@ -139,6 +140,19 @@ def install() -> None:
     for name, mod in list(sys.modules.items()):
         if mod is not None and getattr(mod, "fully_shard", None) is orig:
             mod.fully_shard = fully_shard
+    # An explicit FSDPModule.unshard before the first forward (test_1f1b_microbatching issues
+    # unshard(async_op=True) on every module first): a user turns TIDE on before it, so the hook
+    # does too (enable refuses a group whose stock all-gather is already in flight).
+    from torch.distributed.fsdp import FSDPModule
+
+    stock_unshard = FSDPModule.unshard
+
+    @functools.wraps(stock_unshard)
+    def unshard(self, *args, **kwargs):
+        _maybe_enable(self)
+        return stock_unshard(self, *args, **kwargs)
+
+    FSDPModule.unshard = unshard
     for name in ("tide", "tide.fsdp"):
         logging.getLogger(name).addHandler(_ToJson())
     atexit.register(_at_exit)
