@@ -82,6 +82,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       executor.synchronize();
       bootstrap.barrier();
       std::vector<double> host_times;  // the host's wall time in run(): enqueueing, no waiting
+      host_times.reserve(args.iters);
       const auto times = time_each(stream, args.iters, [&] {
         const auto start = std::chrono::steady_clock::now();
         executor.run(program, bindings);

@@ -91,18 +91,6 @@ TEST_P(HostExecutorProperty, RandomBucketsAllGatherAndReduceScatter) {
 }
 INSTANTIATE_TEST_SUITE_P(W, HostExecutorProperty, ::testing::Values(1, 2, 3, 4, 5, 8));
 
-// Runs of equal params side by side (per-expert weights), padded ones too, at several W.
-TEST(HostExecutor, RunsOfEqualParams) {
-  for (int world : {2, 3, 8}) {
-    std::vector<ParamSpec> specs;
-    for (int i = 0; i < 12; ++i) specs.push_back({"e" + std::to_string(i), {16, 24}});
-    specs.push_back({"norm", {24}, DType::kFP32, DType::kFP32});
-    for (int i = 0; i < 5; ++i) specs.push_back({"u" + std::to_string(i), {9, 5}});  // padded
-    ag_then_rs(BucketLayout(specs, Topology::single_node(world)), 40 + world, {}, 2);
-    if (HasFatalFailure()) return;
-  }
-}
-
 TEST(HostExecutor, ReduceScatterIsBitwiseReproducibleUnderDifferentTimings) {
   BucketLayout layout({{"w", {37, 19}}, {"n", {19}, DType::kFP32}}, Topology::single_node(5));
   const auto a = ag_then_rs(layout, 5, {}, 3, /*jitter=*/true);

@@ -272,25 +272,6 @@ TEST(CudaCollectives, InnerShardDimsMatchHostExecutorBitwise) {
   }
 }
 
-// Runs of equal params side by side (per-expert weights: many copies per peer), padded ones
-// (uneven dim 0) too.
-TEST(CudaCollectives, RunsOfEqualParams) {
-  TIDE_REQUIRE_GPU();
-  for (int world : {2, 4}) {
-    std::vector<ParamSpec> specs;
-    for (int i = 0; i < 48; ++i) specs.push_back({"e" + std::to_string(i), {64, 96}});
-    specs.push_back({"norm", {96}, DType::kFP32, DType::kFP32});
-    for (int i = 0; i < 7; ++i) specs.push_back({"u" + std::to_string(i), {9, 5}, DType::kFP16, DType::kFP32});
-    Scenario s{specs,
-               world,
-               {{Collective::kAllGather, {}, 9, 71},
-                {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 9, 72}},
-               2};
-    SCOPED_TRACE("W=" + std::to_string(world));
-    run_and_check(s);
-  }
-}
-
 // One rank: no signals or waits, only the kernels (cast, reduce; vector, scalar and tail paths)
 // and the copies. The case compute-sanitizer checks (scripts/gpu_suite.sh): the sanitizer
 // serialises work, which would deadlock ranks whose streams wait on each other.

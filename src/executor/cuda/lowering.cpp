@@ -19,6 +19,7 @@
 //                 group's last op, waited for only by steps that touch its bytes; over NCCL
 //                 (nccl_transport.cpp) or, without a communicator on a CudaReach::kHost window,
 //                 over CUDA IPC (ipc_transport.cpp).
+#include <array>
 #include <cstdlib>
 #include <variant>
 
@@ -314,17 +315,18 @@ void CudaExecutor::Impl::enqueue_wait(const WaitOp& wait, Phase phase, uint64_t 
 std::size_t CudaExecutor::Impl::enqueue_signals(const std::vector<Step>& steps, std::size_t first,
                                                 uint64_t epoch, uint64_t tag,
                                                 const std::function<bool(std::size_t)>& batchable) {
-  std::vector<CUstreamBatchMemOpParams> ops;
+  std::array<CUstreamBatchMemOpParams, kMaxMemOps> ops;  // on the stack: no allocation per run
+  std::size_t count = 0;
   std::size_t i = first;
   for (; i < steps.size() && std::holds_alternative<SignalOp>(steps[i].op) &&
-         (i == first || batchable(i)) && ops.size() + 2 <= kMaxMemOps;
+         (i == first || batchable(i)) && count + 2 <= kMaxMemOps;
        ++i) {
     const SignalOp& signal = std::get<SignalOp>(steps[i].op);
     FlagWord* flag = window.flags(signal.peer) + flag_index(signal.kind, window.rank(), window.world());
-    ops.push_back(write(&flag->tag, tag));
-    ops.push_back(write(&flag->epoch, epoch));
+    ops[count++] = write(&flag->tag, tag);
+    ops[count++] = write(&flag->epoch, epoch);
   }
-  TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(ops.size()), ops.data(), 0));
+  TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(count), ops.data(), 0));
   return i;
 }
 
