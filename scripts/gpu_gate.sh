@@ -54,14 +54,20 @@ from test_extension import defined_dynamic_symbols as d; print(' '.join(d('$so')
 stage_cpp() {
   OUT="$OUT" bash scripts/gpu_suite.sh tests >"$OUT/gate_cpp.log" 2>&1
   local rc=$? summary
-  summary=$(grep -E "^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]" "$OUT/gpu_tests.log" 2>/dev/null | tr '\n' ' ')
+  summary=$(cat "$OUT"/gpu_tests*.log 2>/dev/null | grep -E "^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]" | tr '\n' ' ')
   tail -15 "$OUT/gate_cpp.log"
   [[ $rc == 0 ]] && record cpp "PASS ($summary)" || record cpp "FAIL (exit $rc: $summary)"
 }
 
 stage_python() {
+  # Several tests at once where pytest-xdist is installed (each test's ranks share the GPU anyway;
+  # one at a time took 281 s on an H200): PYTEST_WORKERS (default 4; 1 = one at a time).
+  local workers=()
+  if [[ ${PYTEST_WORKERS:-4} -gt 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
+    workers=(-n "${PYTEST_WORKERS:-4}")
+  fi
   # Outside the source tree, so `import tide` is the installed package, as for a user.
-  (cd /tmp && timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider \
+  (cd /tmp && timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider "${workers[@]}" \
      "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
      "$ROOT/tests/python/test_fsdp.py" -k "${PYTEST_K:-cuda or extension or two_gpus}" \
      "$ROOT/tests/python/test_bench_cli.py") >"$OUT/gate_python.log" 2>&1

@@ -67,9 +67,11 @@ def train(model, steps=2, **kw):
 
 
 def _step_counts(world=2):
-    """One step of make()'s model, fp32: 6 groups gathered in forward and the 5 blocks again in
-    backward (the root stays unsharded), 6 reduce-scatters. All-gather bytes: every param padded to
-    ceil(d0 / W) rows per rank, W ranks, 4 B; reduce-scatter bytes: the gradients as they are."""
+    """One step of make()'s model after the first, fp32: 6 groups gathered in forward and the 5
+    blocks again in backward (the root stays unsharded), 6 reduce-scatters. All-gather bytes: every
+    param padded to ceil(d0 / W) rows per rank, W ranks, 4 B; reduce-scatter bytes: the gradients
+    as they are. No remaps: every bucket finds the window its address maps free (the first step maps
+    them)."""
     model = h.TinyLlama()
 
     def gathered(params):
@@ -79,7 +81,7 @@ def _step_counts(world=2):
     root = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
     return {"all_gathers": 11, "reduce_scatters": 6,
             "all_gather_bytes": 2 * gathered(blocks) + gathered(root),
-            "reduce_scatter_bytes": sum(p.numel() * 4 for p in model.parameters())}
+            "reduce_scatter_bytes": sum(p.numel() * 4 for p in model.parameters()), "remaps": 0}
 
 
 STEP_COUNTS = _step_counts()
@@ -602,6 +604,28 @@ def test_cpu_offload_is_handled(pin_memory):
 
 
 # --- observability -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers", [5, 12])
+def test_after_the_first_step_all_gathers_find_their_window_mapped(layers):
+    # A remap of a bucket's fixed address waits, on CUDA, on the host for the params' last readers
+    # (tide-bench host-cost). A pool of 2 windows for 12 buckets still needs none after the first
+    # step: each bucket takes back the window its address maps while that window is free.
+    def rank_fn(rank):
+        model = make(layers=layers)
+        handle = tide.fsdp.enable(model)
+        gen = torch.Generator().manual_seed(3)
+        step(model, gen)
+        first = handle.counts()
+        handle.reset_counts()
+        step(model, gen)
+        windows = sum(len(p.all_windows()) for p in handle.pools)
+        tide.fsdp.disable(model)
+        return first, handle.counts(), windows
+
+    for first, second, windows in threaded_world.run(2, rank_fn, timeout_s=60):
+        assert first["remaps"] >= layers + 1 > windows, (first, windows)  # each bucket mapped once
+        assert second["all_gathers"] == 2 * layers + 1 and second["remaps"] == 0, second
+
 
 def test_profiler_shows_tide_collectives_and_counts_are_per_step():
     def rank_fn(rank):

@@ -45,10 +45,12 @@ def _model(layers: int, device, mesh):
     return model
 
 
-def _host_ms(model, device, steps: int, warmup: int) -> list:
+def _host_ms(model, device, steps: int, warmup: int, after_warmup=lambda: None) -> list:
     x = torch.randn(8, DIM, device=device)
     times = []
     for i in range(warmup + steps):
+        if i == warmup:
+            after_warmup()
         torch.cuda.synchronize(device)
         dist.barrier()
         start = time.perf_counter()
@@ -70,7 +72,7 @@ def run_host_cost(rank: int, world: int, opts: dict) -> dict:
                      opts["steps"], opts["warmup"])
     model = _model(opts["layers"], device, DeviceMesh.from_group(dist.group.WORLD, "cuda"))
     handle = tide.fsdp.enable(model)
-    mine = _host_ms(model, device, opts["steps"], opts["warmup"])
+    mine = _host_ms(model, device, opts["steps"], opts["warmup"], handle.reset_counts)
     counts = handle.counts()
     tide.fsdp.disable(model)
     groups = len(handle.buckets) + len(handle.fallbacks)  # the blocks' (the root holds no params)
@@ -78,4 +80,5 @@ def run_host_cost(rank: int, world: int, opts: dict) -> dict:
         raise RuntimeError(f"tide-bench host-cost: TIDE handled {len(handle.buckets)} of {groups} param "
                            f"groups (fallbacks: {handle.fallbacks}); the TIDE column would be stock")
     return {"groups": groups, "stock_ms": statistics.median(stock), "tide_ms": statistics.median(mine),
-            "tide_all_gathers": counts["all_gathers"], "steps": opts["steps"] + opts["warmup"]}
+            "tide_all_gathers": counts["all_gathers"], "tide_remaps": counts["remaps"],
+            "steps": opts["steps"]}

@@ -183,4 +183,7 @@ def host_cost_table(results: list, shares_gpu: bool) -> str:
         f"{'stock FSDP2 (no-op collectives)':<34} {stock:>9.2f} {1000 * stock / groups:>9.1f}",
         f"{'TIDE':<34} {mine:>9.2f} {1000 * mine / groups:>9.1f}",
         f"TIDE / stock: {mine / stock:.2f}x (stock's collectives cost nothing here: a lower bound on "
-        "stock's host time)"])
+        "stock's host time)",
+        f"TIDE remapped a bucket's fixed address {max(r['tide_remaps'] for r in results) / results[0]['steps']:.1f} "
+        f"times per timed step ({results[0]['tide_all_gathers'] / results[0]['steps']:.0f} all-gathers; "
+        "on CUDA each remap waits on the host for the params' last readers)"])

@@ -54,7 +54,8 @@ class TideFSDP:
 
     def counts(self) -> dict:
         """TIDE's all-gathers and reduce-scatters (calls and bytes) since the last reset: what a
-        profiler or flight recorder would count for c10d collectives, which TIDE does not use."""
+        profiler or flight recorder would count for c10d collectives, which TIDE does not use; and
+        `remaps`, the all-gathers that had to map another window at their group's fixed address."""
         return self._counts.as_dict()
 
     def reset_counts(self) -> None:

@@ -35,18 +35,30 @@ class Counts:
     def reset(self) -> None:
         self.all_gathers = self.reduce_scatters = 0
         self.all_gather_bytes = self.reduce_scatter_bytes = 0
+        # All-gathers that mapped another window at their bucket's fixed address: on CUDA each
+        # waits on the host for the params' last readers (the rest find their window mapped).
+        self.remaps = 0
 
     def as_dict(self) -> dict:
         return {"all_gathers": self.all_gathers, "reduce_scatters": self.reduce_scatters,
-                "all_gather_bytes": self.all_gather_bytes, "reduce_scatter_bytes": self.reduce_scatter_bytes}
+                "all_gather_bytes": self.all_gather_bytes, "reduce_scatter_bytes": self.reduce_scatter_bytes,
+                "remaps": self.remaps}
 
 
-def _profiled(label: str, cuda: bool):
-    """A profiler range (torch.profiler's record_function) and, on CUDA, an NVTX range."""
+# Whether a torch profiler records now (torch's own query; private, so looked up once with a
+# fallback that always records).
+_profiler_on = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
+
+def _profiled(label, cuda: bool):
+    """A profiler range (torch.profiler's record_function) while a profiler records and, on CUDA,
+    an NVTX range. `label()` builds the name: only when a range is opened (record_function costs
+    ~10 us of host time per call even with no profiler, three times per group and step)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(torch.profiler.record_function(label))
+    if _profiler_on():
+        stack.enter_context(torch.profiler.record_function(label()))
     if cuda:
-        stack.enter_context(torch.cuda.nvtx.range(label))
+        stack.enter_context(torch.cuda.nvtx.range(label()))
     return stack
 
 
@@ -68,7 +80,8 @@ class Bucket:
         self.pool = None
         self.range = None
         self.param_outputs: list[torch.Tensor] = []
-        self.window = None  # the PooledWindow mapped at the fixed address now
+        self.window = None  # the PooledWindow this bucket holds now
+        self.mapped = None  # the PooledWindow mapped at the fixed address (kept after release)
         self.vacated = False
 
     def attach(self, pool) -> None:
@@ -93,6 +106,12 @@ class Bucket:
             self.param_outputs.append(raw.view(TIDE_TO_TORCH[p.dtype]))
 
     def _map_window(self) -> None:
+        if self.mapped is self.window:
+            # Still mapped here since this bucket last held it (windows map at several addresses
+            # at once): no remap, so no host wait; the window's `ready` event orders its reuse.
+            return
+        self.counts.remaps += 1
+        self.mapped = None  # until the new mapping is in place
         if self.cuda:
             # The range is remapped by the host: the params' last readers (kernels on the compute
             # stream, recorded when FSDP2 freed them) must be done with the old mapping.
@@ -101,6 +120,7 @@ class Bucket:
             self.range.map_data_of(self.window.window)
         else:
             self.window.window.map_data_into(self.range)
+        self.mapped = self.window
 
     def check_state(self, all_gather_comm) -> None:
         """Refuses FSDP2 settings changed after enable that TIDE would silently override."""
@@ -114,7 +134,7 @@ class Bucket:
 
     def all_gather(self, stream=None):
         if self.window is None:
-            window = self.pool.acquire()
+            window = self.pool.acquire(prefer=self.mapped)
             self.window = window
             try:
                 self._map_window()
@@ -127,7 +147,7 @@ class Bucket:
         self.vacated = False
         self._ensure_param_outputs()
         event = None
-        with _profiled(f"tide::all_gather {self.path} ({self.ag_bytes} B)", self.cuda):
+        with _profiled(lambda: f"tide::all_gather {self.path} ({self.ag_bytes} B)", self.cuda):
             if self.cuda:
                 # On FSDP2's all-gather stream, after the compute stream (optimizer steps write
                 # the shards) and after the window's previous user; FSDP2 waits on the event.
@@ -265,7 +285,7 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
         bucket.counts.reduce_scatters += 1
         bucket.counts.reduce_scatter_bytes += nbytes
         try:
-            with _profiled(f"tide::reduce_scatter {bucket.path} ({nbytes} B)", bucket.cuda):
+            with _profiled(lambda: f"tide::reduce_scatter {bucket.path} ({nbytes} B)", bucket.cuda):
                 if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
                     stream = torch.cuda.current_stream(bucket.pool.device)
                     window.use_on(stream)

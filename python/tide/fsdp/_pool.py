@@ -42,8 +42,14 @@ class WindowPool:
         self.pending: list = []  # buckets whose params were freed; released at the next acquire
         self.stats_enabled = False
 
-    def acquire(self) -> PooledWindow:
+    def acquire(self, prefer: PooledWindow | None = None) -> PooledWindow:
+        """A free window: `prefer` when it is free (the window a bucket's fixed address maps
+        already, so the bucket need not remap it), else the last released, else a new one. Every
+        rank has the same free list and preference, so every rank takes the same window."""
         self.release_pending()
+        if prefer is not None and prefer in self.free:
+            self.free.remove(prefer)
+            return prefer
         if self.free:
             return self.free.pop()
         if self.device.type == "cuda":
