@@ -60,24 +60,39 @@ stage_cpp() {
 }
 
 stage_python() {
-  # Several tests at once where pytest-xdist is installed (each test's ranks share the GPU anyway;
-  # one at a time took 281 s on an H200): PYTEST_WORKERS (default 4; 1 = one at a time).
-  local workers=()
-  if [[ ${PYTEST_WORKERS:-4} -gt 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
-    workers=(-n "${PYTEST_WORKERS:-4}")
+  # Three pytest processes side by side (each test's ranks share the GPU anyway; one process took
+  # 281 s on an H200): test_fsdp.py's W = 3 and W = 4 worlds each in their own (a world trains once
+  # per process, for all its tests), everything else in the first. PYTEST_SPLIT=0: one process.
+  local select="${PYTEST_K:-cuda or extension or two_gpus}" parts=()
+  if [[ ${PYTEST_SPLIT:-1} == 1 ]]; then
+    parts=("($select) and not cuda-W3 and not cuda-W4" "($select) and cuda-W3" "($select) and cuda-W4")
+  else
+    parts=("$select")
   fi
-  # Outside the source tree, so `import tide` is the installed package, as for a user.
-  (cd /tmp && timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider "${workers[@]}" \
-     "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
-     "$ROOT/tests/python/test_fsdp.py" -k "${PYTEST_K:-cuda or extension or two_gpus}" \
-     "$ROOT/tests/python/test_bench_cli.py") >"$OUT/gate_python.log" 2>&1
-  local rc=$?
-  tail -25 "$OUT/gate_python.log"
-  local line; line=$(tail -1 "$OUT/gate_python.log")
-  if [[ $rc == 0 ]] && ! grep -qE "[0-9]+ passed" <<<"$line"; then rc=5; fi
+  local pids=() i
+  for i in "${!parts[@]}"; do
+    # Outside the source tree, so `import tide` is the installed package, as for a user.
+    (cd /tmp && timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider \
+       "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
+       "$ROOT/tests/python/test_fsdp.py" "$ROOT/tests/python/test_bench_cli.py" -k "${parts[$i]}") \
+      >"$OUT/gate_python_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  local rc=0 passed=0 skipped=0 lines=()
+  for i in "${!parts[@]}"; do
+    wait "${pids[$i]}" || rc=$?
+    local line; line=$(tail -1 "$OUT/gate_python_$i.log")
+    tail -12 "$OUT/gate_python_$i.log"
+    grep -qE "[0-9]+ passed" <<<"$line" || { [[ $rc == 0 ]] && rc=5; }
+    passed=$((passed + $(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+" || echo 0)))
+    skipped=$((skipped + $(grep -oE "[0-9]+ skipped" <<<"$line" | grep -oE "[0-9]+" || echo 0)))
+    lines+=("${line//=/}")
+  done
+  cat "$OUT"/gate_python_*.log >"$OUT/gate_python.log"
   # The CUDA scenarios must have run, not skipped: a gate that skipped them proved nothing.
   if grep -q "SKIPPED.*test_fsdp.py.*needs a CUDA build" "$OUT/gate_python.log"; then rc=6; fi
-  [[ $rc == 0 ]] && record python "PASS ($line)" || record python "FAIL (exit $rc: $line)"
+  local summary="$passed passed, $skipped skipped in ${#parts[@]} processes:$(printf ' [%s]' "${lines[@]}")"
+  [[ $rc == 0 ]] && record python "PASS ($summary)" || record python "FAIL (exit $rc: $summary)"
 }
 
 stage_bench() {
