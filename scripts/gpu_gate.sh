@@ -54,15 +54,15 @@ from test_extension import defined_dynamic_symbols as d; print(' '.join(d('$so')
 stage_cpp() {
   OUT="$OUT" bash scripts/gpu_suite.sh tests >"$OUT/gate_cpp.log" 2>&1
   local rc=$? summary
-  summary=$(cat "$OUT"/gpu_tests*.log 2>/dev/null | grep -E "^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]" | tr '\n' ' ')
+  summary=$(grep -E "^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]" "$OUT/gpu_tests.log" 2>/dev/null | tr '\n' ' ')
   tail -15 "$OUT/gate_cpp.log"
   [[ $rc == 0 ]] && record cpp "PASS ($summary)" || record cpp "FAIL (exit $rc: $summary)"
 }
 
 stage_python() {
-  # Three pytest processes side by side (each test's ranks share the GPU anyway; one process took
-  # 281 s on an H200): test_fsdp.py's W = 3 and W = 4 worlds each in their own (a world trains once
-  # per process, for all its tests), everything else in the first. PYTEST_SPLIT=0: one process.
+  # Three pytest processes side by side: test_fsdp.py's W = 3 and W = 4 worlds each in their own (a
+  # world trains once per process, for all its tests), everything else in the first. On an H200:
+  # 281 s in one process, 204 s in three. PYTEST_SPLIT=0: one process.
   local select="${PYTEST_K:-cuda or extension or two_gpus}" parts=()
   if [[ ${PYTEST_SPLIT:-1} == 1 ]]; then
     parts=("($select) and not cuda-W3 and not cuda-W4" "($select) and cuda-W3" "($select) and cuda-W4")
