@@ -170,3 +170,21 @@ def test_moe_routes_each_token_to_its_top_k_experts():
     refs = torch.autograd.grad(ref, [x, moe.experts.w1, moe.router.weight], g)
     for a, b in zip(grads, refs):
         torch.testing.assert_close(a, b)
+
+
+def test_host_cost_code_runs_on_cpu_handled_and_without_remaps_after_warmup():
+    # tide-bench host-cost itself needs a GPU (cli refuses CPU); its per-rank code and its report
+    # run here so that neither first runs on a lent GPU. Its times on CPU are not reported.
+    from tide.bench import report
+    from tide.bench.host_cost_bench import run_host_cost
+    from tide.bench.launch import run_ranks
+
+    layers, steps = 6, 2
+    results = run_ranks(2, "cpu", run_host_cost, {"layers": layers, "steps": steps, "warmup": 1, "device": "cpu"})
+    for r in results:
+        assert r["groups"] == layers and r["steps"] == steps, r
+        assert r["tide_all_gathers"] == 2 * layers * steps, r  # forward and backward, timed steps only
+        assert r["tide_remaps"] == 0, r  # each group finds its window mapped after the first step
+        assert r["stock_ms"] > 0 and r["tide_ms"] > 0, r
+    table = report.host_cost_table(results, shares_gpu=False)
+    assert f"{layers} param groups" in table and "0.0 times per timed step (12 all-gathers" in table, table

@@ -47,30 +47,34 @@ def _model(layers: int, device, mesh):
 
 def _host_ms(model, device, steps: int, warmup: int, after_warmup=lambda: None) -> list:
     x = torch.randn(8, DIM, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _device: None
     times = []
     for i in range(warmup + steps):
         if i == warmup:
             after_warmup()
-        torch.cuda.synchronize(device)
+        sync(device)
         dist.barrier()
         start = time.perf_counter()
         model(x).sum().backward()
         host = time.perf_counter() - start
-        torch.cuda.synchronize(device)
+        sync(device)
         if i >= warmup:
             times.append(1000.0 * host)
     return times
 
 
 def run_host_cost(rank: int, world: int, opts: dict) -> dict:
+    """One rank's figures. `opts["device"]` "cuda" (what tide-bench runs) or "cpu" (the tests run
+    the same code there; its times do not mean what the GPU's do, see the CLI)."""
     import tide.fsdp
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - registers "fake"
 
-    device = torch.device("cuda", torch.cuda.current_device())
+    kind = opts.get("device", "cuda")
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     fake = dist.new_group(list(range(world)), backend="fake")
-    stock = _host_ms(_model(opts["layers"], device, DeviceMesh.from_group(fake, "cuda")), device,
+    stock = _host_ms(_model(opts["layers"], device, DeviceMesh.from_group(fake, kind)), device,
                      opts["steps"], opts["warmup"])
-    model = _model(opts["layers"], device, DeviceMesh.from_group(dist.group.WORLD, "cuda"))
+    model = _model(opts["layers"], device, DeviceMesh.from_group(dist.group.WORLD, kind))
     handle = tide.fsdp.enable(model)
     mine = _host_ms(model, device, opts["steps"], opts["warmup"], handle.reset_counts)
     counts = handle.counts()
