@@ -70,7 +70,7 @@ struct Args {
 // ---- Results: tab-separated lines appended by children, printed by the parent. -------------
 
 struct Row {
-  std::string section;  // "collective", "ceiling", "interference"
+  std::string section;  // "collective", "ceiling", "calls", "interference"
   std::string label;
   int world = 0;
   double bytes = 0;
@@ -145,8 +145,9 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
                            const std::vector<BucketCase>& cases, const Args& args);
 // nccl_baseline.cpp: TIDE beside NCCL's own collective, one GPU per rank (>= 2 GPUs).
 bool run_compare(const std::vector<BucketCase>& cases, const Args& args);
-// ceiling.cpp (in a child process).
+// ceiling.cpp, driver_calls.cpp (each in a child process).
 void ceiling_child(const Args& args);
+void driver_calls_child(const Args& args);
 // interference.cpp.
 bool run_interference(const Args& args);
 // rank_interference.cpp: one rank of a W = 8 TIDE-RS modelled on one GPU, the reduce budget swept;

@@ -3,6 +3,8 @@
 //
 //   tide_bench_cuda [all]              everything below, then a short summary table
 //   tide_bench_cuda ceiling            HBM copy ceiling; reduce / cast kernel bandwidth against it
+//   tide_bench_cuda calls              the host's time per driver call of each kind run() makes,
+//                                      1 and 2 threads in one context (the fixed cost's ceiling)
 //   tide_bench_cuda sweep  --collective ag|rs --world W [--min-mib N] [--max-mib N]
 //   tide_bench_cuda bucket --bucket llama|small|experts --collective ag|rs --world W
 //   tide_bench_cuda compare [--bucket llama|small] [--collective ag|rs]
@@ -66,6 +68,9 @@ void print_summary() {
       std::printf("coll      %-28s W=%d %10s %9.1f us  busbw %7.1f GB/s  SM %8.0f CTA*us  %s\n",
                   r.label.c_str(), r.world, human_bytes(r.bytes).c_str(), r.time_us, r.busbw,
                   r.sm_cta_us, r.note.c_str());
+  for (const Row& r : rows)
+    if (r.section == "calls")
+      std::printf("call      %-44s %8.2f us  %s\n", r.label.c_str(), r.time_us, r.note.c_str());
   for (const Row& r : rows)
     if (r.section == "interference")
       std::printf("gemm      %-44s %8.1f us  %s\n", r.label.c_str(), r.time_us, r.note.c_str());
@@ -162,6 +167,8 @@ int main_impl(int argc, char** argv) {
   bool ok = true;
   if (args.mode == "ceiling") {
     ok = run_single_child([&] { ceiling_child(args); });
+  } else if (args.mode == "calls") {
+    ok = run_single_child([&] { driver_calls_child(args); });
   } else if (args.mode == "sweep") {
     ok = run_collective(collective_of(args.collective), args.world, sweep_cases(args, args.max_mib), args);
   } else if (args.mode == "bucket") {
@@ -195,7 +202,7 @@ int main_impl(int argc, char** argv) {
     ok &= run_interference(args);
   } else {
     throw std::runtime_error("mode " + args.mode +
-                             ": expected all, ceiling, sweep, bucket, compare, interference or "
+                             ": expected all, ceiling, calls, sweep, bucket, compare, interference or "
                              "rank-interference");
   }
   print_summary();

@@ -563,6 +563,106 @@ TEST(CudaCollectives, MismatchedBucketsRaiseDesyncError) {
   }
 }
 
+// A run's consecutive signals and waits go in one cuStreamBatchMemOp, followed by one event for the
+// watchdog, and the run's waits share one "before" event: at W ranks an all-gather or a
+// reduce-scatter of one param makes W memop calls and records W + 1 events (3W - 2 calls and
+// 4(W - 1) events when every wait had its own call and two events). The driver calls are a small
+// collective's fixed cost (BENCHMARKS.md); the other tests check the results.
+TEST(CudaCollectives, ARunsFlagOpsShareDriverCalls) {
+  TIDE_REQUIRE_GPU();
+  for (const int world : {2, 4}) {
+    SCOPED_TRACE("W = " + std::to_string(world));
+    const BucketLayout layout({{"w", {256, 64}, DType::kBF16, DType::kFP32}},
+                              Topology::single_node(world));
+    const harness::TempDir dir;
+    const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
+      select_device(rank);
+      auto window = CudaWindow::create(b, layout.window_bytes());
+      cudaStream_t stream = nullptr;
+      CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      const ParamLayout& p = layout.param(0);
+      DeviceBuffer shard(p.valid_numel(rank) * 4), grad(p.unsharded_bytes());
+      CHECK_CUDA(cudaMemset(shard.ptr, 0, p.valid_numel(rank) * 4));
+      CHECK_CUDA(cudaMemset(grad.ptr, 0, p.unsharded_bytes()));
+      std::string counts;
+      {
+        CudaExecutor executor(*window, stream, 20000ms);
+        executor.enable_stats(true);
+        executor.run(plan_all_gather(layout, rank, 1), Bindings{{shard.ptr}, {}});
+        const CudaExecutor::Stats ag = executor.stats();
+        executor.reset_stats();
+        executor.run(plan_reduce_scatter(layout, rank, ReduceOptions{}, 2),
+                     Bindings{{grad.ptr}, {shard.ptr}});
+        const CudaExecutor::Stats rs = executor.stats();
+        counts = detail::concat("ag ", ag.mem_op_calls, " ", ag.watchdog_events, " rs ",
+                                rs.mem_op_calls, " ", rs.watchdog_events);
+      }
+      b.barrier();
+      CHECK_CUDA(cudaStreamDestroy(stream));
+      throw std::runtime_error(counts);  // reported as "std::exception: <counts>"
+    }, gpu_ranks(dir)).reports;
+    const std::string expected = detail::concat("std::exception: ag ", world, " ", world + 1,
+                                                " rs ", world, " ", world + 1);
+    for (int r = 0; r < world; ++r) EXPECT_EQ(reports[r], expected) << "rank " << r;
+  }
+}
+
+// A batch's waits are one watched record: when it is stuck, the watchdog names the first wait whose
+// flag does not meet it. Rank 0 waits for data_ready from ranks 1 and 2 in one cuStreamBatchMemOp;
+// rank 1 signals it; rank 2 signals another bucket's (DesyncError naming rank 2), or nothing
+// (TimeoutError naming rank 2).
+TEST(CudaCollectives, AStuckFlagBatchNamesItsFirstUnmetWait) {
+  TIDE_REQUIRE_GPU();
+  const int world = 3;
+  auto program = [&](int rank, uint32_t bucket, std::vector<Step> steps) {
+    Program p;
+    p.collective = Collective::kAllGather, p.rank = rank, p.world = world, p.bucket = bucket;
+    p.window_bytes = 4096, p.alignment = 256, p.steps = std::move(steps);
+    return p;
+  };
+  for (const bool rank2_signals : {true, false}) {
+    SCOPED_TRACE(rank2_signals ? "rank 2 signals bucket 8" : "rank 2 signals nothing");
+    const harness::TempDir dir;
+    const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
+      select_device(rank);
+      auto window = CudaWindow::create(b, 4096);
+      cudaStream_t stream = nullptr;
+      CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      const Step signal{Phase::kDataReady, SignalOp{0, FlagKind::kDataReady}};
+      Program mine;
+      if (rank == 0)
+        mine = program(0, 7, {{Phase::kDataReady, WaitOp{1, FlagKind::kDataReady}},
+                              {Phase::kDataReady, WaitOp{2, FlagKind::kDataReady}}});
+      else
+        mine = program(rank, rank == 1 ? 7 : 8, rank == 2 && !rank2_signals ? std::vector<Step>{}
+                                                                            : std::vector<Step>{signal});
+      std::string outcome = "no error";
+      {
+        CudaExecutor executor(*window, stream, 2000ms);
+        try {
+          executor.run(mine, Bindings{});
+          executor.synchronize();
+        } catch (const Error& e) {
+          outcome = e.what();
+        }
+      }
+      b.barrier();  // every stream drained before any window goes away
+      CHECK_CUDA(cudaStreamDestroy(stream));
+      throw std::runtime_error(outcome);
+    }, gpu_ranks(dir)).reports;
+    const std::string& m = reports[0];
+    EXPECT_EQ(reports[1], "std::exception: no error");
+    EXPECT_EQ(reports[2], "std::exception: no error");
+    if (rank2_signals) {
+      EXPECT_NE(m.find("rank 0 runs bucket 7 all_gather at epoch 1 (phase data_ready) but rank 2 "
+                       "signalled bucket 8 all_gather"), std::string::npos) << m;
+    } else {
+      EXPECT_NE(m.find("rank 0: timed out after 2000 ms waiting for data_ready from rank 2"),
+                std::string::npos) << m;
+    }
+  }
+}
+
 // The IPC network's failures: two virtual nodes (one rank each, so the first wait is a network
 // receive). A peer that runs another bucket makes both ranks' receives stop on the entry's tag
 // check: DesyncError naming both collectives. A peer that dies after mapping its window leaves the

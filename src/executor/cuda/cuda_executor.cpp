@@ -168,9 +168,22 @@ void CudaExecutor::Impl::watch(PendingWait&& record) {
   {
     std::lock_guard<std::mutex> lock(mutex);
     record.id = next_wait_id++;
+    if (record.shared_before) ++record.shared_before->holders;
     pending.push_back(std::move(record));
   }
   wake.notify_one();
+}
+
+void CudaExecutor::Impl::retire(const PendingWait& w) {
+  if (w.shared_before)
+    release_shared(w.shared_before);
+  else
+    free_events.push_back(w.before);
+  free_events.push_back(w.after);
+}
+
+void CudaExecutor::Impl::release_shared(const std::shared_ptr<SharedEvent>& e) {
+  if (--e->holders == 0) free_events.push_back(e->event);
 }
 
 void CudaExecutor::Impl::throw_if_failed() {
@@ -251,10 +264,7 @@ CudaExecutor::~CudaExecutor() {
   }
   d.wake.notify_all();
   d.watchdog.join();
-  for (const PendingWait& w : d.pending) {
-    (void)cudaEventDestroy(w.before);
-    (void)cudaEventDestroy(w.after);
-  }
+  for (const PendingWait& w : d.pending) d.retire(w);  // (a shared event once)
   for (cudaEvent_t e : d.free_events) (void)cudaEventDestroy(e);
   if (d.net_ready) (void)cudaEventDestroy(d.net_ready);
   if (d.net_stream) (void)cudaStreamDestroy(d.net_stream);

@@ -16,6 +16,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -52,22 +53,41 @@ struct MailboxWord {
   bool equal;
 };
 
+// One WaitOp of a flag batch: the own flag word it waits on (device pointer), the peer that
+// writes it, and the step's phase (for messages).
+struct AwaitedFlag {
+  FlagWord* flag;
+  FlagKind kind;
+  int peer;
+  Phase phase;
+};
+
+// An event several watched waits use as their "before": a run's flag waits share one. It goes
+// back to the free events once the run is enqueued and the watchdog has retired every wait that
+// names it (`holders` counts both, under the executor's mutex).
+struct SharedEvent {
+  cudaEvent_t event = nullptr;
+  int holders = 0;
+};
+
 struct PendingWait {
   enum class Kind : uint8_t {
-    kFlag,     // a WaitOp: `flag`
+    kFlag,     // WaitOps of one cuStreamBatchMemOp: `flags`
     kNccl,     // a network group over NCCL: only an abort releases it
     kMailbox,  // an IPC network transfer: `words` of `mailbox`
   };
   uint64_t id = 0;
+  // The watchdog's clock for this wait starts once `before` has completed and every earlier wait
+  // has passed, and stops at `after`.
   cudaEvent_t before = nullptr;
   cudaEvent_t after = nullptr;
+  std::shared_ptr<SharedEvent> shared_before;  // set when `before` is shared (kFlag)
   Kind kind = Kind::kFlag;
-  FlagWord* flag = nullptr;  // kFlag: own flag, device pointer
+  std::vector<AwaitedFlag> flags;  // kFlag, in the batch's order (the stream stops at the first unmet)
   uint64_t epoch = 0;
   uint64_t tag = 0;
-  int peer = -1;
-  FlagKind flag_kind = FlagKind::kDataReady;  // kFlag
-  Phase phase = Phase::kPush;
+  int peer = -1;                   // kNccl / kMailbox
+  Phase phase = Phase::kPush;      // kNccl / kMailbox
   std::string what;  // kNccl: the group's peers; kMailbox: the transfer, for messages
   const NetOutbox* mailbox = nullptr;  // kMailbox: own mailbox for `peer`
   std::vector<MailboxWord> words;      // kMailbox
@@ -103,6 +123,7 @@ struct CudaExecutor::Impl {
   using KernelKind = cuda_executor_detail::KernelKind;
   using KernelTiming = cuda_executor_detail::KernelTiming;
   using Resolve = cuda_executor_detail::Resolve;
+  using SharedEvent = cuda_executor_detail::SharedEvent;
 
   CudaWindow& window;
   cudaStream_t stream;
@@ -149,6 +170,8 @@ struct CudaExecutor::Impl {
   void use_stream(cudaStream_t s);
   PendingWait new_wait(PendingWait::Kind kind, uint64_t epoch, uint64_t tag, int peer, Phase phase);
   void watch(PendingWait&& record);  // hands a wait whose events are enqueued to the watchdog
+  void retire(const PendingWait& w);   // its events back to the free ones (caller holds `mutex`)
+  void release_shared(const std::shared_ptr<SharedEvent>& e);  // (holds `mutex`)
   void throw_if_failed();
   void wait_stream(cudaStream_t s);
   void collect_timings();
@@ -183,9 +206,10 @@ struct CudaExecutor::Impl {
                        std::size_t width, std::size_t rows);
   void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
                       std::vector<std::size_t>& sizes);
-  void enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag);
-  std::size_t enqueue_signals(const std::vector<Step>& steps, std::size_t first, uint64_t epoch,
-                              uint64_t tag, const std::function<bool(std::size_t)>& batchable);
+  // Consecutive signals and waits from `first` on in one cuStreamBatchMemOp; returns the next step.
+  std::size_t enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first, uint64_t epoch,
+                               uint64_t tag, const std::function<bool(std::size_t)>& batchable,
+                               std::shared_ptr<SharedEvent>& run_before);
   cudaEvent_t issue_group(const net::NetGroup& group, const Program& program,
                           const Resolve& resolve, uint64_t epoch, uint64_t tag, Phase phase);
 
@@ -210,7 +234,10 @@ struct CudaExecutor::Impl {
   void store_error(std::exception_ptr e);
   FlagWord read_flag(const FlagWord* flag);
   void write_flags(FlagWord* flags, std::size_t count, uint64_t tag);
-  std::exception_ptr diagnose_flag_wait(const PendingWait& w, const FlagWord& seen);
+  // The first of a stuck flag batch's waits that its flag does not meet, as an error; null if
+  // every flag now meets its wait (the batch is about to pass).
+  std::exception_ptr diagnose_flag_wait(const PendingWait& w);
+  void release_flag_wait(const PendingWait& w);
 };
 
 }  // namespace tide

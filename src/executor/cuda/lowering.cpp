@@ -7,11 +7,14 @@
 //                 cudaMemcpy2DAsync for a strided destination; otherwise one cast kernel for all
 //                 consecutive CastOps (strided destinations included).
 //   SignalOp   -> a write of the tag, then of the epoch, into the peer's FlagWord (each write is
-//                 preceded by a memory barrier: the data before it is visible first); consecutive
-//                 signals in one cuStreamBatchMemOp.
-//   WaitOp     -> wait(epoch >= e), then wait(tag == t), in one cuStreamBatchMemOp: a peer that
-//                 runs another collective blocks the stream instead of feeding it wrong data, and
-//                 the watchdog reports DesyncError.
+//                 preceded by a memory barrier: the data before it is visible first).
+//   WaitOp     -> wait(epoch >= e), then wait(tag == t): a peer that runs another collective
+//                 blocks the stream instead of feeding it wrong data, and the watchdog reports
+//                 DesyncError.
+//                 Consecutive signals and waits go in one cuStreamBatchMemOp (its operations run
+//                 in array order), followed by one event for the watchdog if it waits; a run's
+//                 first wait records the run's one "before" event (a driver call costs the host
+//                 microseconds: at W = 2 a collective's 10 calls became 7).
 //   ReduceOp   -> one reduce kernel for consecutive ReduceOps with as many sources each, none
 //                 reading or writing what an earlier one of the kernel writes.
 //   NetSendOp/NetRecvOp -> grouped on a network stream, as the group schedule
@@ -61,6 +64,19 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
     return !has_net || (schedule.issue_before[j].empty() && schedule.wait_before[j] < 0);
   };
 
+  // The run's flag waits share one "before" event, taken at the first; this run's hold on it
+  // ends with the enqueue, on every exit.
+  std::shared_ptr<SharedEvent> run_before;
+  struct ReleaseRunBefore {
+    Impl& impl;
+    std::shared_ptr<SharedEvent>& event;
+    ~ReleaseRunBefore() {
+      if (!event) return;
+      std::lock_guard<std::mutex> lock(impl.mutex);
+      impl.release_shared(event);
+    }
+  } release_run_before{*this, run_before};
+
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<std::size_t> sizes;
@@ -85,11 +101,8 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
       }
       enqueue_copies(dsts, srcs, sizes);
       ++i;
-    } else if (std::holds_alternative<SignalOp>(step.op)) {
-      i = enqueue_signals(steps, i, epoch, tag, batchable);
-    } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
-      enqueue_wait(*wait, step.phase, epoch, tag);
-      ++i;
+    } else if (std::holds_alternative<SignalOp>(step.op) || std::holds_alternative<WaitOp>(step.op)) {
+      i = enqueue_flag_ops(steps, i, epoch, tag, batchable, run_before);
     } else {
       // NetSendOp / NetRecvOp: issued with their group (network_actions); the group waits for
       // the compute stream to get here.
@@ -296,37 +309,51 @@ constexpr std::size_t kMaxMemOps = 254;
 
 }  // namespace
 
-// One cuStreamBatchMemOp for both words (a driver call costs the host microseconds; a collective
-// has two waits per peer).
-void CudaExecutor::Impl::enqueue_wait(const WaitOp& wait, Phase phase, uint64_t epoch, uint64_t tag) {
-  const int rank = window.rank();
-  FlagWord* flag = window.flags(rank) + flag_index(wait.kind, wait.peer, window.world());
-  PendingWait record = new_wait(PendingWait::Kind::kFlag, epoch, tag, wait.peer, phase);
-  record.flag = flag, record.flag_kind = wait.kind;
-  TIDE_CUDA_CHECK(cudaEventRecord(record.before, stream));
-  CUstreamBatchMemOpParams ops[2] = {wait_geq(&flag->epoch, epoch), wait_eq(&flag->tag, tag)};
-  TIDE_CU_CHECK(api.stream_batch_mem_op(stream, 2, ops, 0));
-  TIDE_CUDA_CHECK(cudaEventRecord(record.after, stream));
-  watch(std::move(record));
-}
-
-// Consecutive signals (the slot-free ones to every peer) in one cuStreamBatchMemOp: per signal
-// the tag, then the epoch, into the peer's FlagWord.
-std::size_t CudaExecutor::Impl::enqueue_signals(const std::vector<Step>& steps, std::size_t first,
-                                                uint64_t epoch, uint64_t tag,
-                                                const std::function<bool(std::size_t)>& batchable) {
+// Consecutive signals and waits (the slot-free signals to every peer and the wait for the
+// first; a data-ready signal and the next wait; the data-ready waits at the end) in one
+// cuStreamBatchMemOp: per signal the tag, then the epoch, into the peer's FlagWord; per wait
+// epoch >= e, then tag == t, on the own one. The waits of the call are one watched record.
+std::size_t CudaExecutor::Impl::enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first,
+                                                 uint64_t epoch, uint64_t tag,
+                                                 const std::function<bool(std::size_t)>& batchable,
+                                                 std::shared_ptr<SharedEvent>& run_before) {
+  const int rank = window.rank(), world = window.world();
   std::array<CUstreamBatchMemOpParams, kMaxMemOps> ops;  // on the stack: no allocation per run
   std::size_t count = 0;
+  PendingWait record;
   std::size_t i = first;
-  for (; i < steps.size() && std::holds_alternative<SignalOp>(steps[i].op) &&
-         (i == first || batchable(i)) && count + 2 <= kMaxMemOps;
-       ++i) {
-    const SignalOp& signal = std::get<SignalOp>(steps[i].op);
-    FlagWord* flag = window.flags(signal.peer) + flag_index(signal.kind, window.rank(), window.world());
-    ops[count++] = write(&flag->tag, tag);
-    ops[count++] = write(&flag->epoch, epoch);
+  for (; i < steps.size() && (i == first || batchable(i)) && count + 2 <= kMaxMemOps; ++i) {
+    if (const auto* signal = std::get_if<SignalOp>(&steps[i].op)) {
+      FlagWord* flag = window.flags(signal->peer) + flag_index(signal->kind, rank, world);
+      ops[count++] = write(&flag->tag, tag);
+      ops[count++] = write(&flag->epoch, epoch);
+    } else if (const auto* wait = std::get_if<WaitOp>(&steps[i].op)) {
+      FlagWord* flag = window.flags(rank) + flag_index(wait->kind, wait->peer, world);
+      ops[count++] = wait_geq(&flag->epoch, epoch);
+      ops[count++] = wait_eq(&flag->tag, tag);
+      record.flags.push_back({flag, wait->kind, wait->peer, steps[i].phase});
+    } else {
+      break;
+    }
+  }
+  const bool waits = !record.flags.empty();
+  if (waits) {
+    if (!run_before) {
+      run_before = std::make_shared<SharedEvent>(SharedEvent{take_event(), 1});
+      TIDE_CUDA_CHECK(cudaEventRecord(run_before->event, stream));
+      ++stats.watchdog_events;
+    }
+    record.kind = PendingWait::Kind::kFlag, record.epoch = epoch, record.tag = tag;
+    record.before = run_before->event, record.shared_before = run_before;
+    record.after = take_event();
   }
   TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(count), ops.data(), 0));
+  ++stats.mem_op_calls;
+  if (waits) {
+    TIDE_CUDA_CHECK(cudaEventRecord(record.after, stream));
+    ++stats.watchdog_events;
+    watch(std::move(record));
+  }
   return i;
 }
 

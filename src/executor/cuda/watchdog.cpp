@@ -1,9 +1,9 @@
 // The CUDA executor's watchdog: one host thread per executor looks at the oldest wait not yet
 // passed; once its "before" event has completed but its "after" has not for longer than the
-// timeout, it reads the flag on a side stream, stores TimeoutError (or DesyncError when the epoch
-// arrived with another program's tag) naming rank, peer, bucket, phase and epoch, and releases the
-// stuck wait by writing the awaited values into the flag, and so every later stuck wait of this
-// executor, so the stream drains and nothing hangs. synchronize() and run() then throw the error.
+// timeout, it reads the flags on a side stream, stores TimeoutError (or DesyncError when the epoch
+// arrived with another program's tag) for the first one the stream cannot pass, naming rank,
+// peer, bucket, phase and epoch, and releases the stuck wait by writing the awaited values into
+// the flags, and so every later stuck wait of this executor, so the stream drains and nothing hangs. synchronize() and run() then throw the error.
 // Network waits are diagnosed and released by their transport (nccl_transport.cpp: abort the
 // communicator; ipc_transport.cpp: write the awaited mailbox words).
 #include <thread>
@@ -35,24 +35,33 @@ void CudaExecutor::Impl::write_flags(FlagWord* flags, std::size_t count, uint64_
   TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
 }
 
-std::exception_ptr CudaExecutor::Impl::diagnose_flag_wait(const PendingWait& w, const FlagWord& seen) {
+std::exception_ptr CudaExecutor::Impl::diagnose_flag_wait(const PendingWait& w) {
   const int rank = window.rank();
-  const bool epoch_arrived = static_cast<int64_t>(seen.epoch - w.epoch) >= 0;
-  if (epoch_arrived) {
-    return std::make_exception_ptr(DesyncError(detail::concat(
-        "rank ", rank, " runs ", describe_tag(w.tag), " at epoch ", w.epoch, " (phase ",
-        phase_name(w.phase), ") but rank ", w.peer, " signalled ", describe_tag(seen.tag),
-        " at epoch ", seen.epoch, ": the ranks called collectives in different orders")));
+  for (const AwaitedFlag& f : w.flags) {
+    const FlagWord seen = read_flag(f.flag);
+    const bool epoch_arrived = static_cast<int64_t>(seen.epoch - w.epoch) >= 0;
+    if (epoch_arrived && seen.tag == w.tag) continue;  // this one passes: the stream is further on
+    if (epoch_arrived) {
+      return std::make_exception_ptr(DesyncError(detail::concat(
+          "rank ", rank, " runs ", describe_tag(w.tag), " at epoch ", w.epoch, " (phase ",
+          phase_name(f.phase), ") but rank ", f.peer, " signalled ", describe_tag(seen.tag),
+          " at epoch ", seen.epoch, ": the ranks called collectives in different orders")));
+    }
+    return std::make_exception_ptr(TimeoutError(detail::concat(
+        "rank ", rank, ": timed out after ", timeout.count(), " ms waiting for ",
+        flag_kind_name(f.kind), " from rank ", f.peer, " (", describe_tag(w.tag), ", phase ",
+        phase_name(f.phase), ", epoch ", w.epoch, ") on the GPU; last signal from rank ", f.peer,
+        ": ",
+        seen.epoch == 0 ? std::string("none")
+                        : detail::concat("epoch ", seen.epoch, ", ", describe_tag(seen.tag)),
+        ". The peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is "
+        "only slow)")));
   }
-  return std::make_exception_ptr(TimeoutError(detail::concat(
-      "rank ", rank, ": timed out after ", timeout.count(), " ms waiting for ",
-      flag_kind_name(w.flag_kind), " from rank ", w.peer, " (", describe_tag(w.tag), ", phase ",
-      phase_name(w.phase), ", epoch ", w.epoch, ") on the GPU; last signal from rank ", w.peer,
-      ": ",
-      seen.epoch == 0 ? std::string("none")
-                      : detail::concat("epoch ", seen.epoch, ", ", describe_tag(seen.tag)),
-      ". The peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is "
-      "only slow)")));
+  return nullptr;
+}
+
+void CudaExecutor::Impl::release_flag_wait(const PendingWait& w) {
+  for (const AwaitedFlag& f : w.flags) write_flags(f.flag, 1, w.tag);
 }
 
 void CudaExecutor::Impl::watchdog_loop() {
@@ -73,8 +82,7 @@ void CudaExecutor::Impl::watchdog_loop() {
       if (after == cudaSuccess) {
         lock.lock();
         pending.pop_front();
-        free_events.push_back(w.before);
-        free_events.push_back(w.after);
+        retire(w);
         continue;
       }
       if (after != cudaErrorNotReady) TIDE_CUDA_CHECK(after);
@@ -84,11 +92,14 @@ void CudaExecutor::Impl::watchdog_loop() {
       if (before == cudaSuccess) {
         const Clock::time_point now = Clock::now();
         if (stuck_id != w.id) stuck_id = w.id, stuck_since = now;
-        const bool timed_out = !draining && now - stuck_since >= timeout;
+        std::exception_ptr stuck;
+        if (!draining && now - stuck_since >= timeout)
+          stuck = w.kind == PendingWait::Kind::kNccl      ? diagnose_nccl_group(w)
+                  : w.kind == PendingWait::Kind::kMailbox ? diagnose_mailbox(w)
+                                                          : diagnose_flag_wait(w);
+        const bool timed_out = stuck != nullptr;
         if (timed_out) {
-          store_error(w.kind == PendingWait::Kind::kNccl      ? diagnose_nccl_group(w)
-                      : w.kind == PendingWait::Kind::kMailbox ? diagnose_mailbox(w)
-                                                              : diagnose_flag_wait(w, read_flag(w.flag)));
+          store_error(stuck);
           // Release every own flag at once (this program's remaining waits pass quickly);
           // waits of later programs, or flags a live peer overwrites, are released one by one.
           write_flags(window.flags(window.rank()), kNumFlagKinds * window.world(), w.tag);
@@ -103,7 +114,7 @@ void CudaExecutor::Impl::watchdog_loop() {
           } else if (w.kind == PendingWait::Kind::kMailbox) {
             release_mailbox_wait(w);
           } else if (!timed_out) {
-            write_flags(w.flag, 1, w.tag);
+            release_flag_wait(w);
           }
         }
       }
@@ -117,6 +128,7 @@ void CudaExecutor::Impl::watchdog_loop() {
     store_error(std::current_exception());
     watchdog_dead = true;
     std::lock_guard<std::mutex> lock(mutex);
+    for (const PendingWait& w : pending) retire(w);
     pending.clear();
   }
 }

@@ -1,0 +1,163 @@
+// tide_bench_cuda calls: the host's time per driver call, for each kind of call a CudaExecutor
+// run() makes (lowering.cpp), by 1 and by 2 threads at once in one CUDA context (ranks as threads,
+// as `sweep --threads` runs them). The fixed cost of a small collective is the sum of its calls
+// (docs/notes/fixed_cost.md): this is that sum's ceiling, measured rather than assumed.
+//
+// Each kind: `--iters` rounds of 64 calls on the thread's own stream, timed on the host; the
+// stream is drained between rounds (untimed), so no call waits for room in the stream's queue.
+// Reported: the median over rounds of (round time / 64), per kind and thread count.
+#include <array>
+#include <barrier>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "bench_common.hpp"
+#include "cuda/driver_api.hpp"
+#include "kernels.cuh"
+
+namespace tide::bench {
+namespace {
+
+constexpr int kCallsPerRound = 64;
+constexpr std::size_t kCopyBytes = 4096;  // the copy's size does not change the call's host time
+
+struct CallKind {
+  const char* name;
+  const char* what;
+};
+
+constexpr std::array<CallKind, 7> kKinds{{
+    {"event record", "cudaEventRecord (the watchdog's events)"},
+    {"memop signal", "cuStreamBatchMemOp, 2 writes (one signal)"},
+    {"memop wait", "cuStreamBatchMemOp, 2 waits, already met (one wait)"},
+    {"memop signal+wait", "cuStreamBatchMemOp, 2 writes + 2 waits (merged)"},
+    {"copy batch", "cudaMemcpyBatchAsync, 1 copy (a push)"},
+    {"copy async", "cudaMemcpyAsync, 1 copy"},
+    {"cast launch", "launch_casts, 1 cast (AG's first step)"},
+}};
+
+// One thread's resources: its stream, a flag word, copy buffers, an event.
+struct Lane {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t event = nullptr;
+  DeviceMemory word{64};
+  DeviceMemory src{kCopyBytes}, dst{kCopyBytes};
+  Lane() {
+    BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    BCHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    BCHECK(cudaMemset(word.ptr, 0, 64));
+  }
+  ~Lane() {
+    (void)cudaEventDestroy(event);
+    (void)cudaStreamDestroy(stream);
+  }
+};
+
+CUstreamBatchMemOpParams mem_op(bool wait, void* word) {
+  CUstreamBatchMemOpParams op{};
+  if (wait) {
+    op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    op.waitValue.address = reinterpret_cast<CUdeviceptr>(word);
+    op.waitValue.value64 = 0;
+    op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;  // the word is 0: met at once
+  } else {
+    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
+    op.writeValue.value64 = 0;
+    op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  }
+  return op;
+}
+
+void call_once(int kind, Lane& lane) {
+  const auto& api = cuda_detail::driver_api();
+  auto* word = static_cast<uint64_t*>(lane.word.ptr);
+  switch (kind) {
+    case 0: BCHECK(cudaEventRecord(lane.event, lane.stream)); break;
+    case 1:
+    case 2:
+    case 3: {
+      std::array<CUstreamBatchMemOpParams, 4> ops;
+      unsigned n = 0;
+      if (kind != 2) ops[n++] = mem_op(false, word + 1), ops[n++] = mem_op(false, word + 1);
+      if (kind != 1) ops[n++] = mem_op(true, word), ops[n++] = mem_op(true, word);
+      if (api.stream_batch_mem_op(lane.stream, n, ops.data(), 0) != CUDA_SUCCESS)
+        throw std::runtime_error("cuStreamBatchMemOp failed");
+      break;
+    }
+    case 4: {
+      cudaMemcpyAttributes attributes{};
+      attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+      std::size_t attribute_index = 0, bytes = kCopyBytes;
+      void* dst = lane.dst.ptr;
+      const void* src = lane.src.ptr;
+      BCHECK(cudaMemcpyBatchAsync(&dst, &src, &bytes, 1, &attributes, &attribute_index, 1,
+                                  lane.stream));
+      break;
+    }
+    case 5:
+      BCHECK(cudaMemcpyAsync(lane.dst.ptr, lane.src.ptr, kCopyBytes, cudaMemcpyDeviceToDevice,
+                             lane.stream));
+      break;
+    case 6: {
+      const cuda_kernels::CastSpec spec{lane.src.ptr, lane.dst.ptr, kCopyBytes / 4, 0,
+                                        cuda_kernels::kFP32, cuda_kernels::kBF16};
+      cuda_kernels::launch_casts(&spec, 1, 0, lane.stream);
+      break;
+    }
+  }
+}
+
+// Median host µs per call of `kind`, on each of `threads` threads at once (the slowest thread's).
+double time_kind(int kind, int threads, int rounds) {
+  std::vector<double> per_thread(threads);
+  std::barrier sync(threads);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      BCHECK(cudaSetDevice(0));
+      Lane lane;
+      for (int w = 0; w < kCallsPerRound; ++w) call_once(kind, lane);
+      BCHECK(cudaStreamSynchronize(lane.stream));
+      std::vector<double> us;
+      for (int r = 0; r < rounds; ++r) {
+        sync.arrive_and_wait();
+        const auto start = std::chrono::steady_clock::now();
+        for (int c = 0; c < kCallsPerRound; ++c) call_once(kind, lane);
+        us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
+                     kCallsPerRound);
+        BCHECK(cudaStreamSynchronize(lane.stream));
+      }
+      per_thread[t] = median(us);
+    });
+  for (auto& th : pool) th.join();
+  double slowest = 0;
+  for (double v : per_thread) slowest = std::max(slowest, v);
+  return slowest;
+}
+
+}  // namespace
+
+void driver_calls_child(const Args& args) {
+  select_device(0);
+  cuda_kernels::preload_kernels();
+  std::printf("\n# Host time per driver call (one context; 1 thread, and 2 threads at once, each on its own stream)\n"
+              "%-20s %12s %12s  %s\n", "call", "1 thread us", "2 threads us", "what");
+  for (int kind = 0; kind < static_cast<int>(kKinds.size()); ++kind) {
+    const double one = time_kind(kind, 1, args.iters), two = time_kind(kind, 2, args.iters);
+    std::printf("%-20s %12.2f %12.2f  %s\n", kKinds[kind].name, one, two, kKinds[kind].what);
+    Row r;
+    r.section = "calls";
+    r.label = kKinds[kind].name;
+    r.time_us = one;
+    char note[64];
+    std::snprintf(note, sizeof note, "2 threads: %.2f us", two);
+    r.note = note;
+    append_row(r);
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace tide::bench
