@@ -213,7 +213,9 @@ class CudaExecutor final : public Executor {
     double network_cta_us = 0; // CTA-microseconds of the IPC network's pull kernels
     int copies = 0;            // copy-engine copies enqueued
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
-    int copies_2d = 0;           // cudaMemcpy2DAsync calls (blocks of params sharded on a dim > 0)
+    int copies_2d = 0;           // cudaMemcpy2DAsync calls (blocks of params sharded on a dim > 0,
+                                 // and runs of equal copies at one pitch)
+    int copies_coalesced = 0;    // 1-D copies of a program sent as part of such a run
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
     int mem_op_calls = 0;        // cuStreamBatchMemOp calls of the programs' signals and waits

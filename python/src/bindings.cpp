@@ -281,6 +281,7 @@ NB_MODULE(_tide, m) {
       .def_ro("network_groups", &CudaExecutor::Stats::network_groups)
       .def_ro("copies", &CudaExecutor::Stats::copies)
       .def_ro("copies_2d", &CudaExecutor::Stats::copies_2d)
+      .def_ro("copies_coalesced", &CudaExecutor::Stats::copies_coalesced)
       .def_ro("kernel_launches", &CudaExecutor::Stats::kernel_launches)
       .def_ro("mem_op_calls", &CudaExecutor::Stats::mem_op_calls)
       .def_ro("watchdog_events", &CudaExecutor::Stats::watchdog_events);

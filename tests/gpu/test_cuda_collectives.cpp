@@ -607,6 +607,54 @@ TEST(CudaCollectives, ARunsFlagOpsShareDriverCalls) {
   }
 }
 
+// Equal params: a peer's pushes are copies of one size at one pitch (W slots apart in both windows),
+// sent as one 2-D copy per peer. Bitwise against the host executor (all-gather, and reduce-scatter,
+// whose pushes read the gradients wherever they are), then the all-gather's counts at W = 2: its
+// 8 pushes are one 2-D copy.
+TEST(CudaCollectives, EqualParamsPushAsOne2dCopyPerPeer) {
+  TIDE_REQUIRE_GPU();
+  std::vector<ParamSpec> specs;
+  for (int i = 0; i < 8; ++i) specs.push_back({"w" + std::to_string(i), {48, 40}, DType::kBF16, DType::kFP32});
+  for (int i = 0; i < 4; ++i) specs.push_back({"n" + std::to_string(i), {64, 32}, DType::kBF16, DType::kBF16});
+  for (const int world : {2, 4}) {
+    SCOPED_TRACE("W=" + std::to_string(world));
+    run_and_check(Scenario{specs, world,
+                           {{Collective::kAllGather, {}, 3, 61},
+                            {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 4, 62}},
+                           2});
+  }
+  const BucketLayout layout(std::vector<ParamSpec>(specs.begin(), specs.begin() + 8),
+                            Topology::single_node(2));
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(2, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    std::vector<DeviceBuffer> shards;
+    Bindings bindings;
+    for (const ParamLayout& p : layout.params()) {
+      shards.emplace_back(p.valid_numel(rank) * 4);
+      CHECK_CUDA(cudaMemset(shards.back().ptr, 0, p.valid_numel(rank) * 4));
+      bindings.inputs.push_back(shards.back().ptr);
+    }
+    auto window = CudaWindow::create(b, layout.window_bytes());
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::string counts;
+    {
+      CudaExecutor executor(*window, stream, 20000ms);
+      executor.run(plan_all_gather(layout, rank, 1), bindings);
+      const CudaExecutor::Stats st = executor.stats();
+      counts = detail::concat("copies ", st.copies, " 2d ", st.copies_2d, " coalesced ",
+                              st.copies_coalesced);
+    }
+    b.barrier();
+    window.reset();
+    CHECK_CUDA(cudaStreamDestroy(stream));
+    throw std::runtime_error(counts);
+  }, gpu_ranks(dir)).reports;
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(reports[r], "std::exception: copies 1 2d 1 coalesced 8") << "rank " << r;
+}
+
 // A batch's waits are one watched record: when it is stuck, the watchdog names the first wait whose
 // flag does not meet it. Rank 0 waits for data_ready from ranks 1 and 2 in one cuStreamBatchMemOp;
 // rank 1 signals it; rank 2 signals another bucket's (DesyncError naming rank 2), or nothing

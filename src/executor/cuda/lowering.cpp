@@ -2,7 +2,8 @@
 //
 //   CopyBatch  -> cudaMemcpyBatchAsync (copy engines preferred, source in stream order);
 //                 one cudaMemcpyAsync per copy where batches are unavailable; 2-D copies (rows > 1)
-//                 one cudaMemcpy2DAsync each (copy engines; the batch API is 1-D only).
+//                 one cudaMemcpy2DAsync each (copy engines; the batch API is 1-D only), and so
+//                 runs of equal copies at one pitch (equal params: one operation, not one each).
 //   CastOp     -> equal types: a batched copy + cudaMemsetAsync of the pad (no kernel), or a
 //                 cudaMemcpy2DAsync for a strided destination; otherwise one cast kernel for all
 //                 consecutive CastOps (strided destinations included).
@@ -23,6 +24,7 @@
 //                 (nccl_transport.cpp) or, without a communicator on a CudaReach::kHost window,
 //                 over CUDA IPC (ipc_transport.cpp).
 #include <array>
+#include <cstddef>
 #include <cstdlib>
 #include <variant>
 
@@ -236,8 +238,46 @@ void CudaExecutor::Impl::launch_reduce_batch(const std::vector<cuda_kernels::Red
   recycle_events({before, after});  // both waits are enqueued (they capture the records)
 }
 
+// cudaMemcpy2DAsync refuses pitches past the device's maximum (cudaDevAttrMaxPitch, 2^31 - 1 on
+// current GPUs); runs farther apart stay 1-D copies.
+constexpr std::ptrdiff_t kMaxCopyPitch = (std::ptrdiff_t{1} << 31) - 1;
+
+// Runs of copies of one size whose sources and destinations each advance by one pitch go as one
+// 2-D copy: the copy engine then takes one operation for the run instead of one per copy (a peer's
+// pushes of equal params sit W slots apart in both windows; every copy-engine operation costs
+// microseconds, BENCHMARKS.md). The rest go as one batch. The copies of a batch are independent,
+// so their order does not matter.
 void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
                                         std::vector<std::size_t>& sizes) {
+  const std::size_t n = dsts.size();
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < n;) {
+    const auto* dst = static_cast<const std::byte*>(dsts[i]);
+    const auto* src = static_cast<const std::byte*>(srcs[i]);
+    std::size_t j = i + 1;
+    std::ptrdiff_t dst_pitch = 0, src_pitch = 0;
+    if (j < n && sizes[j] == sizes[i]) {
+      dst_pitch = static_cast<const std::byte*>(dsts[j]) - dst;
+      src_pitch = static_cast<const std::byte*>(srcs[j]) - src;
+      const auto width = static_cast<std::ptrdiff_t>(sizes[i]);
+      const bool regular = dst_pitch >= width && src_pitch >= width && dst_pitch <= kMaxCopyPitch &&
+                           src_pitch <= kMaxCopyPitch;
+      while (regular && j < n && sizes[j] == sizes[i] &&
+             static_cast<const std::byte*>(dsts[j]) - static_cast<const std::byte*>(dsts[j - 1]) == dst_pitch &&
+             static_cast<const std::byte*>(srcs[j]) - static_cast<const std::byte*>(srcs[j - 1]) == src_pitch)
+        ++j;
+    }
+    if (j - i >= 2) {
+      enqueue_copy_2d(dsts[i], static_cast<std::size_t>(dst_pitch), srcs[i],
+                      static_cast<std::size_t>(src_pitch), sizes[i], j - i);
+      stats.copies_coalesced += static_cast<int>(j - i);
+    } else {
+      dsts[kept] = dsts[i], srcs[kept] = srcs[i], sizes[kept] = sizes[i];
+      ++kept;
+    }
+    i = j;
+  }
+  dsts.resize(kept), srcs.resize(kept), sizes.resize(kept);
   if (dsts.empty()) return;
   stats.copies += static_cast<int>(dsts.size());
 #if CUDART_VERSION >= 12080
