@@ -3,7 +3,8 @@
 // timeout, it reads the flags on a side stream, stores TimeoutError (or DesyncError when the epoch
 // arrived with another program's tag) for the first one the stream cannot pass, naming rank,
 // peer, bucket, phase and epoch, and releases the stuck wait by writing the awaited values into
-// the flags, and so every later stuck wait of this executor, so the stream drains and nothing hangs. synchronize() and run() then throw the error.
+// the flags, and so every later stuck wait of this executor, so the stream drains and nothing
+// hangs. synchronize() and run() then throw the error.
 // Network waits are diagnosed and released by their transport (nccl_transport.cpp: abort the
 // communicator; ipc_transport.cpp: write the awaited mailbox words).
 #include <thread>
