@@ -205,7 +205,7 @@ struct CudaExecutor::Impl {
   void enqueue_copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                        std::size_t width, std::size_t rows);
   void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
-                      std::vector<std::size_t>& sizes);
+                      std::vector<std::size_t>& sizes, const std::vector<int>& window_pairs);
   // Consecutive signals and waits from `first` on in one cuStreamBatchMemOp; returns the next step.
   std::size_t enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first, uint64_t epoch,
                                uint64_t tag, const std::function<bool(std::size_t)>& batchable,

@@ -82,6 +82,7 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<std::size_t> sizes;
+  std::vector<int> window_pairs;
   for (std::size_t i = 0; i < steps.size();) {
     network_actions(i);
     const Step& step = steps[i];
@@ -90,7 +91,7 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
     } else if (std::holds_alternative<ReduceOp>(step.op)) {
       i = enqueue_reduces(steps, i, resolve, batchable);
     } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
-      dsts.clear(), srcs.clear(), sizes.clear();
+      dsts.clear(), srcs.clear(), sizes.clear(), window_pairs.clear();
       for (const CopyOp& c : batch->copies) {
         if (c.bytes == 0) continue;
         if (c.rows > 1) {
@@ -100,8 +101,10 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
         dsts.push_back(resolve(c.dst));
         srcs.push_back(resolve(c.src));
         sizes.push_back(c.bytes);
+        const bool windows = c.src.space == Space::kWindow && c.dst.space == Space::kWindow;
+        window_pairs.push_back(windows ? c.src.index * window.world() + c.dst.index : -1);
       }
-      enqueue_copies(dsts, srcs, sizes);
+      enqueue_copies(dsts, srcs, sizes, window_pairs);
       ++i;
     } else if (std::holds_alternative<SignalOp>(step.op) || std::holds_alternative<WaitOp>(step.op)) {
       i = enqueue_flag_ops(steps, i, epoch, tag, batchable, run_before);
@@ -149,7 +152,7 @@ std::size_t CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, st
                        static_cast<int64_t>(cast.dst_pitch / dst_size)});
     }
   }
-  enqueue_copies(dsts, srcs, sizes);
+  enqueue_copies(dsts, srcs, sizes, {});  // from the inputs: never merged
   if (!casts.empty())
     launch_timed(KernelKind::kCast, stream, [&] {
       return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, stream);
@@ -245,24 +248,30 @@ constexpr std::ptrdiff_t kMaxCopyPitch = (std::ptrdiff_t{1} << 31) - 1;
 // Runs of copies of one size whose sources and destinations each advance by one pitch go as one
 // 2-D copy: the copy engine then takes one operation for the run instead of one per copy (a peer's
 // pushes of equal params sit W slots apart in both windows; every copy-engine operation costs
-// microseconds, BENCHMARKS.md). The rest go as one batch. The copies of a batch are independent,
-// so their order does not matter.
+// microseconds, BENCHMARKS.md). Only copies between the same two windows merge (window_pairs[k]:
+// copy k's source and destination window, -1 for other memory; empty: none): a 2-D copy must lie
+// within one allocation on each side, which cudaMemcpy2DAsync checks (invalid argument). The rest
+// go as one batch. The copies of a batch are independent, so their order does not matter.
 void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
-                                        std::vector<std::size_t>& sizes) {
+                                        std::vector<std::size_t>& sizes,
+                                        const std::vector<int>& window_pairs) {
   const std::size_t n = dsts.size();
+  auto same_windows = [&](std::size_t a, std::size_t b) {
+    return !window_pairs.empty() && window_pairs[a] >= 0 && window_pairs[a] == window_pairs[b];
+  };
   std::size_t kept = 0;
   for (std::size_t i = 0; i < n;) {
     const auto* dst = static_cast<const std::byte*>(dsts[i]);
     const auto* src = static_cast<const std::byte*>(srcs[i]);
     std::size_t j = i + 1;
     std::ptrdiff_t dst_pitch = 0, src_pitch = 0;
-    if (j < n && sizes[j] == sizes[i]) {
+    if (j < n && sizes[j] == sizes[i] && same_windows(i, j)) {
       dst_pitch = static_cast<const std::byte*>(dsts[j]) - dst;
       src_pitch = static_cast<const std::byte*>(srcs[j]) - src;
       const auto width = static_cast<std::ptrdiff_t>(sizes[i]);
       const bool regular = dst_pitch >= width && src_pitch >= width && dst_pitch <= kMaxCopyPitch &&
                            src_pitch <= kMaxCopyPitch;
-      while (regular && j < n && sizes[j] == sizes[i] &&
+      while (regular && j < n && sizes[j] == sizes[i] && same_windows(i, j) &&
              static_cast<const std::byte*>(dsts[j]) - static_cast<const std::byte*>(dsts[j - 1]) == dst_pitch &&
              static_cast<const std::byte*>(srcs[j]) - static_cast<const std::byte*>(srcs[j - 1]) == src_pitch)
         ++j;
