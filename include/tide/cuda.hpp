@@ -219,7 +219,6 @@ class CudaExecutor final : public Executor {
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
     int mem_op_calls = 0;        // cuStreamBatchMemOp calls of the programs' signals and waits
-    int watchdog_events = 0;     // events recorded on the stream for the watchdog's view of waits
   };
 
   // `stream` is a cudaStream_t of the window's device (not the legacy default stream, which

@@ -283,8 +283,7 @@ NB_MODULE(_tide, m) {
       .def_ro("copies_2d", &CudaExecutor::Stats::copies_2d)
       .def_ro("copies_coalesced", &CudaExecutor::Stats::copies_coalesced)
       .def_ro("kernel_launches", &CudaExecutor::Stats::kernel_launches)
-      .def_ro("mem_op_calls", &CudaExecutor::Stats::mem_op_calls)
-      .def_ro("watchdog_events", &CudaExecutor::Stats::watchdog_events);
+      .def_ro("mem_op_calls", &CudaExecutor::Stats::mem_op_calls);
   nb::class_<CudaExecutor>(m, "CudaExecutor")
       .def("__init__", [](CudaExecutor* e, CudaWindow& w, uintptr_t stream,
                           std::optional<int64_t> timeout_ms, NcclComm* network) {

@@ -1,5 +1,6 @@
 // The CUDA executor: the host executor's step semantics, enqueued on a stream. This file: the
-// public API, the executor's life cycle, and the events, streams and errors every part shares;
+// public API, the executor's life cycle, and the events, watched waits, streams and errors every
+// part shares;
 // cuda_executor_impl.hpp lists the files of the other parts (lowering, transports, watchdog).
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -156,35 +157,38 @@ void CudaExecutor::Impl::use_stream(cudaStream_t s) {
     streams_used.push_back(s);
 }
 
-PendingWait CudaExecutor::Impl::new_wait(PendingWait::Kind kind, uint64_t epoch, uint64_t tag, int peer, Phase phase) {
+PendingWait CudaExecutor::Impl::new_wait(PendingWait::Kind kind, cudaStream_t on, uint64_t epoch,
+                                         uint64_t tag, int peer, Phase phase) {
   PendingWait record;
-  record.before = take_event(), record.after = take_event();
+  record.id = WaitMarks::next_id();
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    record.slot = marks->slot_of(on);
+  }
   record.kind = kind, record.epoch = epoch, record.tag = tag, record.peer = peer;
   record.phase = phase;
   return record;
 }
 
+CUstreamBatchMemOpParams CudaExecutor::Impl::mark(const PendingWait& w, bool passed) const {
+  return write_value(passed ? marks->passed_address(w.slot) : marks->reached_address(w.slot), w.id);
+}
+
+void CudaExecutor::Impl::enqueue_mark(cudaStream_t on, const PendingWait& w, bool passed) {
+  CUstreamBatchMemOpParams op = mark(w, passed);
+  TIDE_CU_CHECK(api.stream_batch_mem_op(on, 1, &op, 0));
+}
+
 void CudaExecutor::Impl::watch(PendingWait&& record) {
   {
     std::lock_guard<std::mutex> lock(mutex);
-    record.id = next_wait_id++;
-    if (record.shared_before) ++record.shared_before->holders;
+    marks->hold(record.slot);
     pending.push_back(std::move(record));
   }
   wake.notify_one();
 }
 
-void CudaExecutor::Impl::retire(const PendingWait& w) {
-  if (w.shared_before)
-    release_shared(w.shared_before);
-  else
-    free_events.push_back(w.before);
-  free_events.push_back(w.after);
-}
-
-void CudaExecutor::Impl::release_shared(const std::shared_ptr<SharedEvent>& e) {
-  if (--e->holders == 0) free_events.push_back(e->event);
-}
+void CudaExecutor::Impl::retire(const PendingWait& w) { marks->release(w.slot); }
 
 void CudaExecutor::Impl::throw_if_failed() {
   if (watchdog_dead.load() || failed.load()) {
@@ -243,6 +247,7 @@ CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::millis
   // throw mid-collective.
   cuda_kernels::default_max_ctas();
   impl_->reduce_budget = CudaReduceBudget::from_env();
+  impl_->marks.emplace();
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->side_stream, cudaStreamNonBlocking));
   impl_->staging.resize(static_cast<std::size_t>(kNumFlagKinds) * window.world());
   impl_->streams_used.push_back(impl_->stream);
@@ -264,7 +269,7 @@ CudaExecutor::~CudaExecutor() {
   }
   d.wake.notify_all();
   d.watchdog.join();
-  for (const PendingWait& w : d.pending) d.retire(w);  // (a shared event once)
+  for (const PendingWait& w : d.pending) d.retire(w);
   for (cudaEvent_t e : d.free_events) (void)cudaEventDestroy(e);
   if (d.net_ready) (void)cudaEventDestroy(d.net_ready);
   if (d.net_stream) (void)cudaStreamDestroy(d.net_stream);

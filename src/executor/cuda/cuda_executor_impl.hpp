@@ -4,6 +4,7 @@
 //                       flag writes and waits), network groups issued where the schedule says
 //   nccl_transport.cpp  a network group over NCCL (grouped send/recv), and its timeout message
 //   ipc_transport.cpp   a network group over CUDA IPC mailboxes, and diagnosing/releasing a stuck one
+//   wait_marks.cpp      where each stream has got to, in host memory the stream writes
 //   watchdog.cpp        the host thread that turns a stuck wait into an error and drains the stream
 #pragma once
 
@@ -18,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +30,7 @@
 #include "executor/tag.hpp"
 #include "kernels.cuh"
 #include "tide/cuda.hpp"
+#include "wait_marks.hpp"
 #include "window/wire.hpp"
 
 namespace tide {
@@ -62,13 +65,33 @@ struct AwaitedFlag {
   Phase phase;
 };
 
-// An event several watched waits use as their "before": a run's flag waits share one. It goes
-// back to the free events once the run is enqueued and the watchdog has retired every wait that
-// names it (`holders` counts both, under the executor's mutex).
-struct SharedEvent {
-  cudaEvent_t event = nullptr;
-  int holders = 0;
-};
+// cuStreamBatchMemOp's operations (a call takes fewer than 256).
+inline CUstreamBatchMemOpParams wait_geq(const uint64_t* word, uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+  op.waitValue.address = reinterpret_cast<CUdeviceptr>(word);
+  op.waitValue.value64 = value;
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  return op;
+}
+
+inline CUstreamBatchMemOpParams wait_eq(const uint64_t* word, uint64_t value) {
+  CUstreamBatchMemOpParams op = wait_geq(word, value);
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
+  return op;
+}
+
+// After a memory barrier: what the stream wrote before is visible first. (Without one,
+// CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, the driver refused every write on an H200, driver 580:
+// invalid value.)
+inline CUstreamBatchMemOpParams write_value(CUdeviceptr word, uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  op.writeValue.address = word;
+  op.writeValue.value64 = value;
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return op;
+}
 
 struct PendingWait {
   enum class Kind : uint8_t {
@@ -76,12 +99,10 @@ struct PendingWait {
     kNccl,     // a network group over NCCL: only an abort releases it
     kMailbox,  // an IPC network transfer: `words` of `mailbox`
   };
+  // The watchdog's clock for this wait starts once its stream has written `id` as reached and
+  // every earlier wait has passed, and stops when the stream writes `id` as passed (wait_marks.hpp).
   uint64_t id = 0;
-  // The watchdog's clock for this wait starts once `before` has completed and every earlier wait
-  // has passed, and stops at `after`.
-  cudaEvent_t before = nullptr;
-  cudaEvent_t after = nullptr;
-  std::shared_ptr<SharedEvent> shared_before;  // set when `before` is shared (kFlag)
+  int slot = 0;  // its stream's marks
   Kind kind = Kind::kFlag;
   std::vector<AwaitedFlag> flags;  // kFlag, in the batch's order (the stream stops at the first unmet)
   uint64_t epoch = 0;
@@ -123,7 +144,6 @@ struct CudaExecutor::Impl {
   using KernelKind = cuda_executor_detail::KernelKind;
   using KernelTiming = cuda_executor_detail::KernelTiming;
   using Resolve = cuda_executor_detail::Resolve;
-  using SharedEvent = cuda_executor_detail::SharedEvent;
 
   CudaWindow& window;
   cudaStream_t stream;
@@ -155,7 +175,7 @@ struct CudaExecutor::Impl {
   std::condition_variable wake;
   std::deque<PendingWait> pending;
   std::vector<cudaEvent_t> free_events;
-  uint64_t next_wait_id = 0;
+  std::optional<cuda_executor_detail::WaitMarks> marks;  // made once the device is checked
   bool stop = false;
   std::exception_ptr error;     // TimeoutError / DesyncError / SystemError
   std::atomic<bool> failed{false};
@@ -168,10 +188,15 @@ struct CudaExecutor::Impl {
   cudaEvent_t take_event();
   void recycle_events(const std::vector<cudaEvent_t>& events);
   void use_stream(cudaStream_t s);
-  PendingWait new_wait(PendingWait::Kind kind, uint64_t epoch, uint64_t tag, int peer, Phase phase);
-  void watch(PendingWait&& record);  // hands a wait whose events are enqueued to the watchdog
-  void retire(const PendingWait& w);   // its events back to the free ones (caller holds `mutex`)
-  void release_shared(const std::shared_ptr<SharedEvent>& e);  // (holds `mutex`)
+  // A watched wait to be enqueued on stream `on`: its id and its stream's marks. Enqueue
+  // mark(w, false) before its waits and mark(w, true) after them, in the same
+  // cuStreamBatchMemOp where the waits are stream operations, then watch() it.
+  PendingWait new_wait(PendingWait::Kind kind, cudaStream_t on, uint64_t epoch, uint64_t tag,
+                       int peer, Phase phase);
+  CUstreamBatchMemOpParams mark(const PendingWait& w, bool passed) const;
+  void enqueue_mark(cudaStream_t on, const PendingWait& w, bool passed);  // in a call of its own
+  void watch(PendingWait&& record);  // hands a wait whose marks are enqueued to the watchdog
+  void retire(const PendingWait& w);  // (caller holds `mutex`)
   void throw_if_failed();
   void wait_stream(cudaStream_t s);
   void collect_timings();
@@ -208,8 +233,7 @@ struct CudaExecutor::Impl {
                       std::vector<std::size_t>& sizes, const std::vector<int>& window_pairs);
   // Consecutive signals and waits from `first` on in one cuStreamBatchMemOp; returns the next step.
   std::size_t enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first, uint64_t epoch,
-                               uint64_t tag, const std::function<bool(std::size_t)>& batchable,
-                               std::shared_ptr<SharedEvent>& run_before);
+                               uint64_t tag, const std::function<bool(std::size_t)>& batchable);
   cudaEvent_t issue_group(const net::NetGroup& group, const Program& program,
                           const Resolve& resolve, uint64_t epoch, uint64_t tag, Phase phase);
 

@@ -13,22 +13,22 @@ namespace tide {
 
 using namespace cuda_executor_detail;
 
-// Stream waits on `words` of the own mailbox for `peer` on stream `on`, watched.
+// Stream waits on `words` of the own mailbox for `peer` on stream `on`, watched: one
+// cuStreamBatchMemOp of the waits between the record's marks.
 void CudaExecutor::Impl::enqueue_mailbox_wait(cudaStream_t on, const NetOutbox* mailbox, int channel,
                                               std::vector<MailboxWord> words, std::string what, int peer,
                                               uint64_t seq, std::size_t bytes, uint64_t epoch, uint64_t tag,
                                               Phase phase) {
-  PendingWait record = new_wait(PendingWait::Kind::kMailbox, epoch, tag, peer, phase);
+  PendingWait record = new_wait(PendingWait::Kind::kMailbox, on, epoch, tag, peer, phase);
   record.what = std::move(what), record.mailbox = mailbox, record.channel = channel;
   record.words = std::move(words), record.seq = seq, record.bytes = bytes;
   if (seq > 0)
     record.offset = const_cast<uint64_t*>(&mailbox->entries[(seq - 1) % kNetQueueDepth].offset);
-  TIDE_CUDA_CHECK(cudaEventRecord(record.before, on));
+  std::vector<CUstreamBatchMemOpParams> ops{mark(record, /*passed=*/false)};
   for (const MailboxWord& w : record.words)
-    TIDE_CU_CHECK(api.stream_wait_value64(on, reinterpret_cast<CUdeviceptr>(w.word), w.value,
-                                          w.equal ? CU_STREAM_WAIT_VALUE_EQ
-                                                  : CU_STREAM_WAIT_VALUE_GEQ));
-  TIDE_CUDA_CHECK(cudaEventRecord(record.after, on));
+    ops.push_back(w.equal ? wait_eq(w.word, w.value) : wait_geq(w.word, w.value));
+  ops.push_back(mark(record, /*passed=*/true));
+  TIDE_CU_CHECK(api.stream_batch_mem_op(on, static_cast<unsigned>(ops.size()), ops.data(), 0));
   watch(std::move(record));
 }
 

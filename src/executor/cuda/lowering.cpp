@@ -13,9 +13,9 @@
 //                 blocks the stream instead of feeding it wrong data, and the watchdog reports
 //                 DesyncError.
 //                 Consecutive signals and waits go in one cuStreamBatchMemOp (its operations run
-//                 in array order), followed by one event for the watchdog if it waits; a run's
-//                 first wait records the run's one "before" event (a driver call costs the host
-//                 microseconds: at W = 2 a collective's 10 calls became 7).
+//                 in array order), their waits between the two marks the watchdog reads
+//                 (wait_marks.hpp): a driver call costs the host microseconds, and at W = 2 a
+//                 collective makes 4 (the cast or reduce, the push, two of these).
 //   ReduceOp   -> one reduce kernel for consecutive ReduceOps with as many sources each, none
 //                 reading or writing what an earlier one of the kernel writes.
 //   NetSendOp/NetRecvOp -> grouped on a network stream, as the group schedule
@@ -26,6 +26,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdlib>
+#include <optional>
 #include <variant>
 
 #include "cuda_executor_impl.hpp"
@@ -66,19 +67,6 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
     return !has_net || (schedule.issue_before[j].empty() && schedule.wait_before[j] < 0);
   };
 
-  // The run's flag waits share one "before" event, taken at the first; this run's hold on it
-  // ends with the enqueue, on every exit.
-  std::shared_ptr<SharedEvent> run_before;
-  struct ReleaseRunBefore {
-    Impl& impl;
-    std::shared_ptr<SharedEvent>& event;
-    ~ReleaseRunBefore() {
-      if (!event) return;
-      std::lock_guard<std::mutex> lock(impl.mutex);
-      impl.release_shared(event);
-    }
-  } release_run_before{*this, run_before};
-
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<std::size_t> sizes;
@@ -107,7 +95,7 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
       enqueue_copies(dsts, srcs, sizes, window_pairs);
       ++i;
     } else if (std::holds_alternative<SignalOp>(step.op) || std::holds_alternative<WaitOp>(step.op)) {
-      i = enqueue_flag_ops(steps, i, epoch, tag, batchable, run_before);
+      i = enqueue_flag_ops(steps, i, epoch, tag, batchable);
     } else {
       // NetSendOp / NetRecvOp: issued with their group (network_actions); the group waits for
       // the compute stream to get here.
@@ -329,80 +317,49 @@ void CudaExecutor::Impl::enqueue_copy_2d(void* dst, std::size_t dst_pitch, const
 
 namespace {
 
-CUstreamBatchMemOpParams wait_geq(const uint64_t* word, uint64_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-  op.waitValue.address = reinterpret_cast<CUdeviceptr>(word);
-  op.waitValue.value64 = value;
-  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-  return op;
-}
-
-CUstreamBatchMemOpParams wait_eq(const uint64_t* word, uint64_t value) {
-  CUstreamBatchMemOpParams op = wait_geq(word, value);
-  op.waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
-  return op;
-}
-
-CUstreamBatchMemOpParams write(uint64_t* word, uint64_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(word);
-  op.writeValue.value64 = value;
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;  // after a fence: the data is visible first
-  return op;
-}
-
 // cuStreamBatchMemOp takes fewer than 256 operations per call.
 constexpr std::size_t kMaxMemOps = 254;
+
+CUdeviceptr address(uint64_t* word) { return reinterpret_cast<CUdeviceptr>(word); }
 
 }  // namespace
 
 // Consecutive signals and waits (the slot-free signals to every peer and the wait for the
 // first; a data-ready signal and the next wait; the data-ready waits at the end) in one
 // cuStreamBatchMemOp: per signal the tag, then the epoch, into the peer's FlagWord; per wait
-// epoch >= e, then tag == t, on the own one. The waits of the call are one watched record.
+// epoch >= e, then tag == t, on the own one. The waits of the call are one watched record, marked
+// reached before the first and passed after the last.
 std::size_t CudaExecutor::Impl::enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first,
                                                  uint64_t epoch, uint64_t tag,
-                                                 const std::function<bool(std::size_t)>& batchable,
-                                                 std::shared_ptr<SharedEvent>& run_before) {
+                                                 const std::function<bool(std::size_t)>& batchable) {
   const int rank = window.rank(), world = window.world();
   std::array<CUstreamBatchMemOpParams, kMaxMemOps> ops;  // on the stack: no allocation per run
   std::size_t count = 0;
-  PendingWait record;
+  std::optional<PendingWait> record;
   std::size_t i = first;
-  for (; i < steps.size() && (i == first || batchable(i)) && count + 2 <= kMaxMemOps; ++i) {
+  // Room for this step's two operations and the two marks.
+  for (; i < steps.size() && (i == first || batchable(i)) && count + 4 <= kMaxMemOps; ++i) {
     if (const auto* signal = std::get_if<SignalOp>(&steps[i].op)) {
       FlagWord* flag = window.flags(signal->peer) + flag_index(signal->kind, rank, world);
-      ops[count++] = write(&flag->tag, tag);
-      ops[count++] = write(&flag->epoch, epoch);
+      ops[count++] = write_value(address(&flag->tag), tag);
+      ops[count++] = write_value(address(&flag->epoch), epoch);
     } else if (const auto* wait = std::get_if<WaitOp>(&steps[i].op)) {
+      if (!record) {
+        record = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, steps[i].phase);
+        ops[count++] = mark(*record, /*passed=*/false);
+      }
       FlagWord* flag = window.flags(rank) + flag_index(wait->kind, wait->peer, world);
       ops[count++] = wait_geq(&flag->epoch, epoch);
       ops[count++] = wait_eq(&flag->tag, tag);
-      record.flags.push_back({flag, wait->kind, wait->peer, steps[i].phase});
+      record->flags.push_back({flag, wait->kind, wait->peer, steps[i].phase});
     } else {
       break;
     }
   }
-  const bool waits = !record.flags.empty();
-  if (waits) {
-    if (!run_before) {
-      run_before = std::make_shared<SharedEvent>(SharedEvent{take_event(), 1});
-      TIDE_CUDA_CHECK(cudaEventRecord(run_before->event, stream));
-      ++stats.watchdog_events;
-    }
-    record.kind = PendingWait::Kind::kFlag, record.epoch = epoch, record.tag = tag;
-    record.before = run_before->event, record.shared_before = run_before;
-    record.after = take_event();
-  }
+  if (record) ops[count++] = mark(*record, /*passed=*/true);
   TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(count), ops.data(), 0));
   ++stats.mem_op_calls;
-  if (waits) {
-    TIDE_CUDA_CHECK(cudaEventRecord(record.after, stream));
-    ++stats.watchdog_events;
-    watch(std::move(record));
-  }
+  if (record) watch(std::move(*record));
   return i;
 }
 

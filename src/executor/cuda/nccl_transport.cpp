@@ -13,9 +13,9 @@ void CudaExecutor::Impl::issue_nccl_group(const net::NetGroup& group, const Prog
                                           const Resolve& resolve, uint64_t epoch,
                                           uint64_t tag, Phase phase) {
   const NcclLibrary& nccl = NcclLibrary::get();
-  PendingWait record = new_wait(PendingWait::Kind::kNccl, epoch, tag, -1, phase);
-  try {
-    TIDE_CUDA_CHECK(cudaEventRecord(record.before, net_stream));
+  PendingWait record = new_wait(PendingWait::Kind::kNccl, net_stream, epoch, tag, -1, phase);
+  {
+    enqueue_mark(net_stream, record, /*passed=*/false);
     // Under net_mutex: the watchdog aborts the communicator (which frees it) only between
     // groups, never while this thread is inside an NCCL call on it.
     std::lock_guard<std::mutex> net_lock(net_mutex);
@@ -39,10 +39,7 @@ void CudaExecutor::Impl::issue_nccl_group(const net::NetGroup& group, const Prog
     const int ended = nccl.group_end();  // always ended, even after a failed call inside
     nccl.check(result, "ncclSend/ncclRecv");
     nccl.check(ended, "ncclGroupEnd");
-    TIDE_CUDA_CHECK(cudaEventRecord(record.after, net_stream));
-  } catch (...) {
-    recycle_events({record.before, record.after});
-    throw;
+    enqueue_mark(net_stream, record, /*passed=*/true);
   }
   watch(std::move(record));
 }

@@ -1,6 +1,6 @@
 // The CUDA executor's watchdog: one host thread per executor looks at the oldest wait not yet
-// passed; once its "before" event has completed but its "after" has not for longer than the
-// timeout, it reads the flags on a side stream, stores TimeoutError (or DesyncError when the epoch
+// passed; once its stream has marked it reached but not passed (wait_marks.hpp: host memory the
+// stream writes, read here without a driver call) for longer than the timeout, it reads the flags on a side stream, stores TimeoutError (or DesyncError when the epoch
 // arrived with another program's tag) for the first one the stream cannot pass, naming rank,
 // peer, bucket, phase and epoch, and releases the stuck wait by writing the awaited values into
 // the flags, and so every later stuck wait of this executor, so the stream drains and nothing
@@ -77,20 +77,18 @@ void CudaExecutor::Impl::watchdog_loop() {
         wake.wait(lock);
         continue;
       }
-      const PendingWait w = pending.front();
+      // Only this thread removes records, and a deque's push_back keeps references: `w` stays
+      // valid while the lock is released.
+      const PendingWait& w = pending.front();
       lock.unlock();
-      const cudaError_t after = cudaEventQuery(w.after);
-      if (after == cudaSuccess) {
+      if (marks->passed(w.slot) >= w.id) {
         lock.lock();
-        pending.pop_front();
         retire(w);
+        pending.pop_front();
         continue;
       }
-      if (after != cudaErrorNotReady) TIDE_CUDA_CHECK(after);
-      const cudaError_t before = cudaEventQuery(w.before);
-      if (before != cudaSuccess && before != cudaErrorNotReady) TIDE_CUDA_CHECK(before);
       bool draining = failed.load();
-      if (before == cudaSuccess) {
+      if (marks->reached(w.slot) >= w.id) {
         const Clock::time_point now = Clock::now();
         if (stuck_id != w.id) stuck_id = w.id, stuck_since = now;
         std::exception_ptr stuck;

@@ -1,0 +1,60 @@
+// Where each stream of an executor has got to, for the watchdog, without a driver call: per stream
+// two words in mapped pinned host memory that the stream itself writes around every watched wait,
+// in the same cuStreamBatchMemOp as the waits:
+//   reached = id of the last watched wait the stream arrived at (the watchdog's clock starts),
+//   passed  = id of the last one it got past (the watchdog retires it).
+// Wait ids come from one process-wide counter, so they only grow: a slot handed to another stream,
+// or a block another executor used, holds only smaller ids than any wait watched later.
+// Before (events recorded around each wait, two cudaEventQuery per wait on the watchdog thread),
+// a W = 2 collective made 3 more driver calls on the rank's thread and took an event from a pool
+// that only the watchdog refilled (BENCHMARKS.md, "Fixed cost").
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace tide::cuda_executor_detail {
+
+struct StreamMarks {
+  uint64_t reached;
+  uint64_t passed;
+};
+
+class WaitMarks {
+ public:
+  static constexpr int kSlots = 64;  // streams with waits not yet retired, at once
+
+  WaitMarks();   // a block of the process's pool (mapped pinned memory, kSlots pairs)
+  ~WaitMarks();  // back to the pool
+  WaitMarks(const WaitMarks&) = delete;
+  WaitMarks& operator=(const WaitMarks&) = delete;
+
+  // The next wait id (process-wide, from 1).
+  static uint64_t next_id();
+
+  // The slot of stream `s`: the one it has, else one whose waits are all retired. Throws
+  // SystemError when all kSlots streams have waits pending. The calls below that take a slot
+  // count its pending waits: all under the executor's mutex.
+  int slot_of(cudaStream_t s);
+  void hold(int slot) { ++pending_[slot]; }
+  void release(int slot) { --pending_[slot]; }
+
+  // Device addresses for the stream's writes.
+  CUdeviceptr reached_address(int slot) const;
+  CUdeviceptr passed_address(int slot) const;
+  // What the stream has written (any thread).
+  uint64_t reached(int slot) const { return __atomic_load_n(&host_[slot].reached, __ATOMIC_ACQUIRE); }
+  uint64_t passed(int slot) const { return __atomic_load_n(&host_[slot].passed, __ATOMIC_ACQUIRE); }
+
+ private:
+  StreamMarks* host_;
+  CUdeviceptr device_;
+  std::vector<cudaStream_t> streams_ = std::vector<cudaStream_t>(kSlots, nullptr);
+  std::vector<int> pending_ = std::vector<int>(kSlots, 0);
+  std::vector<bool> used_ = std::vector<bool>(kSlots, false);
+};
+
+}  // namespace tide::cuda_executor_detail
