@@ -256,11 +256,13 @@ CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::millis
 
 CudaExecutor::~CudaExecutor() {
   Impl& d = *impl_;
+  bool drained = true;
   for (cudaStream_t s : d.streams_used) {
     try {
       d.wait_stream(s);
     } catch (...) {
       // Destructors do not throw; synchronize() is where errors are reported.
+      drained = false;
     }
   }
   {
@@ -270,6 +272,9 @@ CudaExecutor::~CudaExecutor() {
   d.wake.notify_all();
   d.watchdog.join();
   for (const PendingWait& w : d.pending) d.retire(w);
+  // A stream that did not drain may still write its marks: that block must not serve another
+  // executor, whose waits would read this one's late (smaller) ids.
+  if (!drained || d.watchdog_dead) d.marks->abandon();
   for (cudaEvent_t e : d.free_events) (void)cudaEventDestroy(e);
   if (d.net_ready) (void)cudaEventDestroy(d.net_ready);
   if (d.net_stream) (void)cudaStreamDestroy(d.net_stream);

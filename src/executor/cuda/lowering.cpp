@@ -366,9 +366,7 @@ std::size_t CudaExecutor::Impl::enqueue_flag_ops(const std::vector<Step>& steps,
 // Enqueues a group's sends and receives on the network stream after the compute stream's
 // position recorded in net_ready: over NCCL if the executor has a communicator, else over CUDA
 // IPC. Returns an event recorded after it, the caller's (its compute stream may wait on it; give
-// it back with recycle_events once every cudaStreamWaitEvent on it is enqueued). The watchdog's
-// events are separate: it recycles them as soon as they complete, which must not re-record an
-// event a later wait still refers to.
+// it back with recycle_events once every cudaStreamWaitEvent on it is enqueued).
 cudaEvent_t CudaExecutor::Impl::issue_group(const net::NetGroup& group, const Program& program,
                                             const Resolve& resolve, uint64_t epoch,
                                             uint64_t tag, Phase phase) {

@@ -49,11 +49,19 @@ WaitMarks::WaitMarks() : host_(nullptr), device_(0) {
     for (int i = 0; i < kSlots; ++i) host_[i] = StreamMarks{0, 0};
   }
   void* device = nullptr;
-  TIDE_CUDA_CHECK(cudaHostGetDevicePointer(&device, host_, 0));
+  const cudaError_t status = cudaHostGetDevicePointer(&device, host_, 0);
+  if (status != cudaSuccess) {
+    {
+      std::lock_guard<std::mutex> lock(pool().mutex);
+      pool().spare.push_back(host_);  // no stream has it: back for the next executor
+    }
+    TIDE_CUDA_CHECK(status);
+  }
   device_ = reinterpret_cast<CUdeviceptr>(device);
 }
 
 WaitMarks::~WaitMarks() {
+  if (abandoned_) return;  // leaked: one page of pinned memory, after a CUDA failure
   std::lock_guard<std::mutex> lock(pool().mutex);
   pool().spare.push_back(host_);
 }

@@ -3,8 +3,9 @@
 // in the same cuStreamBatchMemOp as the waits:
 //   reached = id of the last watched wait the stream arrived at (the watchdog's clock starts),
 //   passed  = id of the last one it got past (the watchdog retires it).
-// Wait ids come from one process-wide counter, so they only grow: a slot handed to another stream,
-// or a block another executor used, holds only smaller ids than any wait watched later.
+// Wait ids come from one process-wide counter, so they only grow: a slot handed to another stream
+// (once its waits are all retired), or a block another executor used (once its streams drained;
+// else it is abandoned), holds only smaller ids than any wait watched later.
 // Before (events recorded around each wait, two cudaEventQuery per wait on the watchdog thread),
 // a W = 2 collective made 3 more driver calls on the rank's thread and took an event from a pool
 // that only the watchdog refilled (BENCHMARKS.md, "Fixed cost").
@@ -28,7 +29,9 @@ class WaitMarks {
   static constexpr int kSlots = 64;  // streams with waits not yet retired, at once
 
   WaitMarks();   // a block of the process's pool (mapped pinned memory, kSlots pairs)
-  ~WaitMarks();  // back to the pool
+  ~WaitMarks();  // back to the pool, unless abandoned
+  // Streams that may still write these marks were not drained: the block is never reused.
+  void abandon() { abandoned_ = true; }
   WaitMarks(const WaitMarks&) = delete;
   WaitMarks& operator=(const WaitMarks&) = delete;
 
@@ -52,6 +55,7 @@ class WaitMarks {
  private:
   StreamMarks* host_;
   CUdeviceptr device_;
+  bool abandoned_ = false;
   std::vector<cudaStream_t> streams_ = std::vector<cudaStream_t>(kSlots, nullptr);
   std::vector<int> pending_ = std::vector<int>(kSlots, 0);
   std::vector<bool> used_ = std::vector<bool>(kSlots, false);

@@ -72,8 +72,15 @@ void CudaExecutor::Impl::watchdog_loop() {
     Clock::time_point stuck_since{};
     std::unique_lock<std::mutex> lock(mutex);
     for (;;) {
+      // The destructor sets `stop` once it has waited for the streams or given up on them
+      // (a CUDA error): nothing is left to drain, and waits the stream never reached (a sticky
+      // error stops every stream; no mark is written again) must not keep this thread alive.
+      if (stop) {
+        for (const PendingWait& w : pending) retire(w);
+        pending.clear();
+        return;
+      }
       if (pending.empty()) {
-        if (stop) return;
         wake.wait(lock);
         continue;
       }
