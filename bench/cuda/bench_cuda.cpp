@@ -36,7 +36,9 @@
 // default 16), --wire fp32|bf16 (multi-node RS: the dtype of partial sums between nodes; bf16 is
 // lossy and checked within one bf16 rounding per node), --threads (sweep/bucket: the ranks as threads of one process on GPU 0, one CUDA
 // context, instead of processes, whose contexts the GPU time-slices: every hand-off between
-// ranks can then wait for a time slice).
+// ranks can then wait for a time slice), --prefixes (sweep/bucket: also every prefix of the
+// program, its first k steps run back to back, so each step's share of a run's time shows:
+// the chain of a small collective).
 //
 // Times: per rank, CUDA events around each of N back-to-back runs; the median per rank; the slowest
 // rank's median reported. algbw = bytes / time, busbw = algbw * (W-1)/W (nccl-tests). SM time =
@@ -122,6 +124,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--network") args.network = value();
     else if (a == "--wire") args.wire = value();
     else if (a == "--threads") args.threads = true;
+    else if (a == "--prefixes") args.prefixes = true;
     else if (a == "--g-mib") args.g_mib = std::stoul(value());
     else if (a == "--nvlink-gbps") args.nvlink_gbps = std::stod(value());
     else if (a == "--pace-chunk-kib") args.pace_chunk_kib = std::stoul(value());

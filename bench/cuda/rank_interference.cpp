@@ -24,9 +24,10 @@
 // Streams: the GEMM on a default-priority stream (PyTorch's compute stream); the RS model on a
 // stream of the greatest priority (FSDP2's reduce-scatter stream is high priority); a budget with
 // priority=low moves the reduce kernel to a lowest-priority stream, fenced by events, as the
-// executor does. Every case: the background alone (time per RS iteration), then beside >= --gemms
-// GEMMs timed one by one with events (median and mean), and the RS iterations that ran wholly
-// inside the GEMMs' window (loaded). --repeats rounds over all cases, samples pooled.
+// executor does. Every case: the background alone (time per RS iteration), --gemms GEMMs alone
+// (the case's baseline, taken next to it so the GPU's drift over a sweep cancels), then beside
+// >= --gemms GEMMs timed one by one with events (median and mean), and the RS iterations that ran
+// wholly inside the GEMMs' window (loaded). --repeats rounds over all cases, samples pooled.
 #include <cuda.h>
 
 #include <algorithm>
@@ -405,8 +406,10 @@ struct Case {
   std::string label;
   std::vector<LaneSpec> lanes;  // lane 0's iteration is "the RS"
   bool unpaced = false;
-  // Pooled over repeats.
-  std::vector<double> gemm_us, rs_alone_us, rs_loaded_us, red_alone_us, red_loaded_us;
+  // Pooled over repeats. gemm_alone_us: the GEMM alone right before each repeat's loaded GEMMs,
+  // the baseline of this case's slowdown: the GPU's clock drifts over a sweep (88 -> 102 us for
+  // the GEMM alone on an H200, 2026-12-02), as much as the effects compared.
+  std::vector<double> gemm_us, gemm_alone_us, rs_alone_us, rs_loaded_us, red_alone_us, red_loaded_us;
   int not_overlapped = 0;
 };
 
@@ -487,9 +490,11 @@ class Runner {
     const double iter_us = median(a.rs);
     const int gemms = std::min(
         4000, std::max(args_.gemms, static_cast<int>(std::ceil(6.0 * iter_us / gemm_.alone_us))));
+    const std::vector<double> gemm_alone = gemm_.time(args_.gemms);
     std::vector<double> gemm_us;
     Sample loaded;
     if (!beside(c, gemms, iter_us, gemm_us, loaded)) ++c.not_overlapped;
+    c.gemm_alone_us.insert(c.gemm_alone_us.end(), gemm_alone.begin(), gemm_alone.end());
     c.gemm_us.insert(c.gemm_us.end(), gemm_us.begin(), gemm_us.end());
     c.rs_alone_us.insert(c.rs_alone_us.end(), a.rs.begin(), a.rs.end());
     c.red_alone_us.insert(c.red_alone_us.end(), a.red.begin(), a.red.end());
@@ -582,11 +587,12 @@ struct Figures {
   bool meets = false;
 };
 
-Figures figures_of(const Case& c, double alone_med, double alone_mean, double ref_rs) {
+// Slowdowns against the case's own GEMM-alone baseline (taken next to it, every repeat).
+Figures figures_of(const Case& c, double ref_rs) {
   Figures f;
   f.gemm_med = median(c.gemm_us), f.gemm_mean = mean_of(c.gemm_us);
-  f.slow_med = 100.0 * (f.gemm_med / alone_med - 1.0);
-  f.slow_mean = 100.0 * (f.gemm_mean / alone_mean - 1.0);
+  f.slow_med = 100.0 * (f.gemm_med / median(c.gemm_alone_us) - 1.0);
+  f.slow_mean = 100.0 * (f.gemm_mean / mean_of(c.gemm_alone_us) - 1.0);
   f.rs_alone = median(c.rs_alone_us), f.rs_loaded = median(c.rs_loaded_us);
   f.red_alone = median(c.red_alone_us), f.red_loaded = median(c.red_loaded_us);
   f.rs_vs_ref = ref_rs > 0 && !c.rs_loaded_us.empty() ? f.rs_loaded / ref_rs : 0;
@@ -714,9 +720,10 @@ void rank_interference_child(const Args& args) {
     if (c.kind == "tide" && c.budget == "default") ref_rs = median(c.rs_alone_us);
 
   std::vector<Figures> figs;
-  for (const Case& c : cases) figs.push_back(figures_of(c, alone_med, alone_mean, ref_rs));
+  for (const Case& c : cases) figs.push_back(figures_of(c, ref_rs));
 
-  std::printf("\n# All cases. GEMM med/mean: slowdown vs alone. RS alone / loaded: median us per "
+  std::printf("\n# All cases. GEMM med/mean: slowdown vs the GEMM alone timed right before each "
+              "repeat of the case. RS alone / loaded: median us per "
               "iteration of the background's first lane (tide: paced copies + reduce), loaded = "
               "iterations wholly inside the GEMMs' window (n of them). vs ref: loaded RS / today's "
               "TIDE-RS model alone (%.0f us). reduce a/l: the reduce part alone / loaded.\n",
@@ -731,7 +738,7 @@ void rank_interference_child(const Args& args) {
     std::ofstream tsv(args.tsv);
     if (!tsv) std::printf("# WARNING: cannot write %s\n", args.tsv.c_str());
     tsv << "kind\tbudget\tctas\ttiles_per_cta\tpriority\tgemm_median_us\tgemm_mean_us\t"
-           "gemm_slowdown_median_pct\tgemm_slowdown_mean_pct\trs_alone_us\trs_loaded_us\t"
+           "gemm_alone_median_us\tgemm_alone_mean_us\tgemm_slowdown_median_pct\tgemm_slowdown_mean_pct\trs_alone_us\trs_loaded_us\t"
            "rs_loaded_n\trs_loaded_vs_ref\treduce_alone_us\treduce_loaded_us\tmeets_target\t"
            "not_overlapped\tlabel\n";
     for (std::size_t i = 0; i < cases.size(); ++i) {
@@ -741,12 +748,13 @@ void rank_interference_child(const Args& args) {
       if (c.budget != "-") b = CudaReduceBudget::parse(c.budget);
       tsv << c.kind << '\t' << c.budget << '\t' << b.max_ctas << '\t' << b.tiles_per_cta << '\t'
           << (b.low_priority ? "low" : "normal") << '\t' << f.gemm_med << '\t' << f.gemm_mean << '\t'
+          << median(c.gemm_alone_us) << '\t' << mean_of(c.gemm_alone_us) << '\t'
           << f.slow_med << '\t' << f.slow_mean << '\t' << f.rs_alone << '\t' << f.rs_loaded << '\t'
           << c.rs_loaded_us.size() << '\t' << f.rs_vs_ref << '\t' << f.red_alone << '\t'
           << f.red_loaded << '\t' << (f.meets ? 1 : 0) << '\t' << c.not_overlapped << '\t' << c.label
           << '\n';
     }
-    tsv << "# gemm_alone_median_us=" << alone_med << " gemm_alone_mean_us=" << alone_mean
+    tsv << "# gemm_alone_median_us (before the sweep)=" << alone_med << " gemm_alone_mean_us=" << alone_mean
         << " ref_rs_alone_us=" << ref_rs << " G_MiB=" << args.g_mib << " nvlink_gbps="
         << args.nvlink_gbps << " device=" << prop.name << " flags="
         << (use_host_flags ? "host" : "device") << '\n';
@@ -759,7 +767,9 @@ void rank_interference_child(const Args& args) {
   const double expected_copy_us = model.copy_bytes() / (args.nvlink_gbps * 1e3);
   final_lines.push_back(detail::concat(
       "GEMM alone ", static_cast<int>(std::lround(alone_med)), " us median / ",
-      static_cast<int>(std::lround(alone_mean)), " us mean; G = ", args.g_mib,
+      static_cast<int>(std::lround(alone_mean)), " us mean before the sweep, ",
+      static_cast<int>(std::lround(median(alone_after))), " us median after (slowdowns: against each "
+      "case's own baseline); G = ", args.g_mib,
       " MiB bf16/rank, copies paced at ", static_cast<int>(args.nvlink_gbps), " GB/s (copy phase >= ",
       static_cast<int>(std::lround(expected_copy_us)), " us), pace flags in ",
       use_host_flags ? "host" : "device", " memory; ", args.repeats, " repeats pooled"));

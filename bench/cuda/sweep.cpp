@@ -4,10 +4,47 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <sstream>
 
 #include "rank_runner.hpp"
 
 namespace tide::bench {
+
+namespace {
+
+const char* op_name(const Step& step) {
+  static constexpr const char* kNames[] = {"copy batch", "cast", "signal", "wait", "reduce",
+                                           "net send", "net recv"};
+  return kNames[step.op.index()];
+}
+
+// --prefixes: per prefix length k (the last is the whole program), the slowest rank's time and
+// host time per run, and what step k added to the prefix before it. `per_rank`: each rank's
+// "<time> <host>" pairs for k = 1 .. n - 1.
+void print_prefix_rows(const Program& program, const std::vector<std::string>& per_rank,
+                       double full_us, double full_host_us) {
+  const std::size_t n = program.steps.size();
+  std::vector<double> time(n, 0.0), host(n, 0.0);
+  for (const std::string& s : per_rank) {
+    std::istringstream in(s);
+    for (std::size_t k = 0; k + 1 < n; ++k) {
+      double t = 0, h = 0;
+      in >> t >> h;
+      time[k] = std::max(time[k], t), host[k] = std::max(host[k], h);
+    }
+  }
+  time[n - 1] = full_us, host[n - 1] = full_host_us;
+  std::printf("#   the chain, rank 0's program: its first k steps run back to back (slowest rank)\n"
+              "#   %3s  %-24s %10s %10s %10s\n", "k", "step k", "time us", "+ us", "host us");
+  for (std::size_t k = 0; k < n; ++k) {
+    const Step& step = program.steps[k];
+    const std::string what = std::string(phase_name(step.phase)) + " " + op_name(step);
+    std::printf("#   %3zu  %-24s %10.1f %+10.1f %10.1f\n", k + 1, what.c_str(), time[k],
+                time[k] - (k > 0 ? time[k - 1] : 0.0), host[k]);
+  }
+}
+
+}  // namespace
 
 // ---- Collective benchmark (one rank). ---------------------------------------------------------
 
@@ -76,21 +113,40 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     double median_us = 0, sm_cta_us = 0, host_us = 0;
     bool batched = true;
     unsigned long long wrong = 0;
+    std::string prefix_times;  // --prefixes: "<time> <host>" per prefix length 1..n
     {
       CudaExecutor executor(*window, stream, default_timeout(), network.get());
-      for (int w = 0; w < args.warmup; ++w) executor.run(program, bindings);
-      executor.synchronize();
-      bootstrap.barrier();
-      std::vector<double> host_times;  // the host's wall time in run(): enqueueing, no waiting
-      host_times.reserve(args.iters);
-      const auto times = time_each(stream, args.iters, [&] {
-        const auto start = std::chrono::steady_clock::now();
-        executor.run(program, bindings);
-        host_times.push_back(std::chrono::duration<double, std::micro>(
-                                 std::chrono::steady_clock::now() - start).count());
-      });
-      executor.synchronize();
-      median_us = median(times), host_us = median(host_times);
+      // Median time per run of `p` back to back, and the host's median wall time in run()
+      // (enqueueing, no waiting).
+      auto time_runs = [&](const Program& p, double& time_us, double& run_host_us) {
+        for (int w = 0; w < args.warmup; ++w) executor.run(p, bindings);
+        executor.synchronize();
+        bootstrap.barrier();
+        std::vector<double> host_times;
+        host_times.reserve(args.iters);
+        const auto times = time_each(stream, args.iters, [&] {
+          const auto start = std::chrono::steady_clock::now();
+          executor.run(p, bindings);
+          host_times.push_back(std::chrono::duration<double, std::micro>(
+                                   std::chrono::steady_clock::now() - start).count());
+        });
+        executor.synchronize();
+        bootstrap.barrier();
+        time_us = median(times), run_host_us = median(host_times);
+      };
+      // A program's first k steps are a program every rank runs alike (the ranks' programs have
+      // the same shape): what the chain's k-th step adds to a run is the difference of two rows.
+      if (args.prefixes)
+        for (std::size_t k = 1; k < program.steps.size(); ++k) {
+          Program prefix = program;
+          prefix.steps.resize(k);
+          double t = 0, h = 0;
+          time_runs(prefix, t, h);
+          char entry[64];
+          std::snprintf(entry, sizeof entry, "%.3f %.3f ", t, h);
+          prefix_times += entry;
+        }
+      time_runs(program, median_us, host_us);
       executor.enable_stats(true);
       executor.reset_stats();
       executor.run(program, bindings);
@@ -125,6 +181,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     char mine[160];
     std::snprintf(mine, sizeof mine, "%.3f %llu %.3f %.3f", median_us, wrong, sm_cta_us, host_us);
     const auto all = bootstrap.allgather(mine);
+    const auto all_prefixes = bootstrap.allgather(prefix_times);
     if (rank == 0) {
       double slowest = 0, sm_sum = 0, host_slowest = 0;
       unsigned long long wrong_total = 0;
@@ -164,6 +221,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       r.note += host;
       append_row(r);
       print_collective_row(r);
+      if (args.prefixes) print_prefix_rows(program, all_prefixes, slowest, host_slowest);
       std::fflush(stdout);
     }
     bootstrap.barrier();  // everyone done with the window before it is freed
