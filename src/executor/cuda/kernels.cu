@@ -60,11 +60,15 @@ struct ReduceTable {
   const void* sources[kSources];
 };
 
-// Kernel parameters may take 32764 bytes (CUDA >= 12.1, Volta and newer). Small tables keep the
-// common launch cheap; large ones serve big buckets and worlds.
+// Kernel parameters may take 32764 bytes (CUDA >= 12.1, Volta and newer). A launch copies its whole
+// table whatever the bucket holds, so one-task tables serve the one-param bucket, small ones the
+// common launch, large ones big buckets and worlds.
+using OneCastTable = CastTable<1>;
 using SmallCastTable = CastTable<16>;
 constexpr int kLargeCastTasks = 480;
 using LargeCastTable = CastTable<kLargeCastTasks>;
+constexpr int kOneReduceSources = 16;
+using OneReduceTable = ReduceTable<1, kOneReduceSources>;
 using SmallReduceTable = ReduceTable<16, 256>;
 using LargeReduceTable = ReduceTable<128, kMaxSources>;
 static_assert(sizeof(LargeCastTable) <= 32764, "cast table exceeds the kernel parameter limit");
@@ -369,8 +373,10 @@ LaunchInfo launch_reduce_table(const std::vector<ReduceTask>& tasks,
 
 void preload_kernels() {
   cudaFuncAttributes attributes;
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<OneCastTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<SmallCastTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<LargeCastTable>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<OneReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<SmallReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<LargeReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, net_pull_kernel));
@@ -426,8 +432,9 @@ LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ct
   LaunchInfo info;
   for (std::size_t first = 0; first < tasks.size();) {
     const std::size_t n = std::min<std::size_t>(tasks.size() - first, kLargeCastTasks);
-    const int grid = n <= 16 ? launch_cast_table<SmallCastTable>(tasks, first, n, max_ctas, stream)
-                             : launch_cast_table<LargeCastTable>(tasks, first, n, max_ctas, stream);
+    const int grid = n == 1    ? launch_cast_table<OneCastTable>(tasks, first, n, max_ctas, stream)
+                     : n <= 16 ? launch_cast_table<SmallCastTable>(tasks, first, n, max_ctas, stream)
+                               : launch_cast_table<LargeCastTable>(tasks, first, n, max_ctas, stream);
     info.launches += 1;
     info.max_ctas = std::max(info.max_ctas, grid);
     first += n;
@@ -471,7 +478,11 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
     const std::size_t remaining = tasks.size() - first;
     LaunchInfo table_info;
     std::size_t n = 0;
-    if (small_fits && remaining <= 16) {
+    if (remaining == 1 && num_sources <= kOneReduceSources) {
+      n = 1;
+      table_info = launch_reduce_table<OneReduceTable>(tasks, sources, num_sources, first, n, shape,
+                                                       stream);
+    } else if (small_fits && remaining <= 16) {
       n = remaining;
       table_info = launch_reduce_table<SmallReduceTable>(tasks, sources, num_sources, first, n,
                                                          shape, stream);
