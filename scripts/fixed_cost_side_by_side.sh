@@ -18,11 +18,21 @@ ROUNDS=${3:-3}
 
 # One bench row as "<time> us; host <t> us; <check>". A row is: label (several words), W, bytes
 # ("1.0 MiB"), time(us), ...: the time is the number after the first "W bytes" pair.
+# A run that prints no row leaves its whole output in $OUT/no_row_<n>.log, and its exit status
+# (124: timed out) in the line, so a failure can be told from a hang.
+LOGS=${OUT:-.}
+NO_ROW=0
 row() { # name, then the bench's arguments
   local name=$1; shift
-  local line time
-  line=$(timeout 90 "$@" 2>&1 | grep -E "^(1 param|512 params|qwen3-moe experts)" | head -1)
-  [[ -n $line ]] || { echo "$name: no row (the bench failed or timed out)"; return; }
+  local output line time rc
+  output=$(timeout 90 "$@" 2>&1); rc=$?
+  line=$(grep -E "^(1 param|512 params|qwen3-moe experts)" <<<"$output" | head -1)
+  if [[ -z $line ]]; then
+    NO_ROW=$((NO_ROW + 1))
+    printf '%s\n' "$*" "$output" >"$LOGS/no_row_$NO_ROW.log"
+    echo "$name: no row (exit $rc; output in $LOGS/no_row_$NO_ROW.log)"
+    return
+  fi
   time=$(grep -oE ' [0-9]+ +[0-9.]+ [KMGT]?i?B +[0-9.]+' <<<"$line" | head -1 | awk '{print $NF}')
   echo "$name: $time us; $(grep -o 'host [0-9.]* us' <<<"$line"); $(grep -oE 'ok \(bitwise\)|FAIL: [0-9]+ wrong elements' <<<"$line")"
 }
