@@ -13,6 +13,9 @@ set -uo pipefail
 [[ $# -ge 2 && -x $1 && -x $2 ]] || { echo "usage: $0 BEFORE_BIN AFTER_BIN [ROUNDS]" >&2; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=32
+# A stuck wait must become the executor's own error (naming rank, bucket, phase, epoch) before the
+# 90 s limit below kills the run; its default is 120 s.
+export TIDE_TIMEOUT_MS=${TIDE_TIMEOUT_MS:-30000}
 declare -A BIN=([before]=$1 [after]=$2)
 ROUNDS=${3:-3}
 
