@@ -55,4 +55,4 @@ row() { # name, then the bench's arguments
     done
   done
 } | sort -s -t: -k1,1
-timeout 60 "${BIN[after]}" calls 2>&1 | grep -A8 "^# Host time"
+timeout 60 "${BIN[after]}" calls 2>&1 | grep -A11 "^# Host time"

@@ -5,7 +5,9 @@
 //
 // Each kind: `--iters` rounds of 64 calls on the thread's own stream, timed on the host; the
 // stream is drained between rounds (untimed), so no call waits for room in the stream's queue.
-// Reported: the median over rounds of (round time / 64), per kind and thread count.
+// Reported: the median over rounds of (round time / 64), per kind and thread count. The launches
+// are timed on an idle stream and, as a run's reduce is (it follows the data_ready wait, usually
+// not yet met when the host enqueues it), behind a stream wait that is released after the round.
 #include <array>
 #include <barrier>
 #include <chrono>
@@ -25,9 +27,10 @@ constexpr std::size_t kCopyBytes = 4096;  // the copy's size does not change the
 struct CallKind {
   const char* name;
   const char* what;
+  bool behind_wait = false;  // enqueued behind a stream wait that is not met yet
 };
 
-constexpr std::array<CallKind, 7> kKinds{{
+constexpr std::array<CallKind, 10> kKinds{{
     {"event record", "cudaEventRecord (the watchdog's events)"},
     {"memop signal", "cuStreamBatchMemOp, 2 writes (one signal)"},
     {"memop wait", "cuStreamBatchMemOp, 2 waits, already met (one wait)"},
@@ -35,22 +38,41 @@ constexpr std::array<CallKind, 7> kKinds{{
     {"copy batch", "cudaMemcpyBatchAsync, 1 copy (a push)"},
     {"copy async", "cudaMemcpyAsync, 1 copy"},
     {"cast launch", "launch_casts, 1 cast (AG's first step)"},
+    {"reduce launch", "launch_reduces, 1 reduce of 2 sources, default grid (RS's last step)"},
+    {"cast, blocked", "launch_casts, behind an unmet stream wait", true},
+    {"reduce, blocked", "launch_reduces, behind an unmet stream wait (as in a run)", true},
 }};
 
-// One thread's resources: its stream, a flag word, copy buffers, an event.
+// One thread's resources: its stream, flag words (word 2 holds the blocked kinds' stream, and a
+// second stream releases it), copy buffers, an event.
 struct Lane {
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = nullptr, releaser = nullptr;
   cudaEvent_t event = nullptr;
   DeviceMemory word{64};
   DeviceMemory src{kCopyBytes}, dst{kCopyBytes};
+  uint64_t gate = 0;  // the blocking wait's value: word 2 >= gate
   Lane() {
     BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    BCHECK(cudaStreamCreateWithFlags(&releaser, cudaStreamNonBlocking));
     BCHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     BCHECK(cudaMemset(word.ptr, 0, 64));
   }
   ~Lane() {
     (void)cudaEventDestroy(event);
+    (void)cudaStreamDestroy(releaser);
     (void)cudaStreamDestroy(stream);
+  }
+  CUdeviceptr gate_word() { return reinterpret_cast<CUdeviceptr>(static_cast<uint64_t*>(word.ptr) + 2); }
+  // Blocks the stream until release().
+  void block() {
+    if (cuda_detail::driver_api().stream_wait_value64(stream, gate_word(), ++gate,
+                                                      CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
+      throw std::runtime_error("cuStreamWaitValue64 failed");
+  }
+  void release() {
+    if (cuda_detail::driver_api().stream_write_value64(releaser, gate_word(), gate,
+                                                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
+      throw std::runtime_error("cuStreamWriteValue64 failed");
   }
 };
 
@@ -101,10 +123,19 @@ void call_once(int kind, Lane& lane) {
       BCHECK(cudaMemcpyAsync(lane.dst.ptr, lane.src.ptr, kCopyBytes, cudaMemcpyDeviceToDevice,
                              lane.stream));
       break;
-    case 6: {
+    case 6:
+    case 8: {
       const cuda_kernels::CastSpec spec{lane.src.ptr, lane.dst.ptr, kCopyBytes / 4, 0,
                                         cuda_kernels::kFP32, cuda_kernels::kBF16};
       cuda_kernels::launch_casts(&spec, 1, 0, lane.stream);
+      break;
+    }
+    case 7:
+    case 9: {  // bf16 sources (the src buffer twice) -> fp32, as the RS's reduce
+      const void* sources[2] = {lane.src.ptr, lane.src.ptr};
+      const cuda_kernels::ReduceSpec spec{sources, lane.dst.ptr, nullptr, kCopyBytes / 4, 1.0f, 0.5f,
+                                          false, cuda_kernels::kBF16, cuda_kernels::kFP32};
+      cuda_kernels::launch_reduces(&spec, 1, 2, cuda_kernels::ReduceGrid{0, 0}, lane.stream);
       break;
     }
   }
@@ -122,12 +153,15 @@ double time_kind(int kind, int threads, int rounds) {
       for (int w = 0; w < kCallsPerRound; ++w) call_once(kind, lane);
       BCHECK(cudaStreamSynchronize(lane.stream));
       std::vector<double> us;
+      const bool blocked = kKinds[kind].behind_wait;
       for (int r = 0; r < rounds; ++r) {
+        if (blocked) lane.block();
         sync.arrive_and_wait();
         const auto start = std::chrono::steady_clock::now();
         for (int c = 0; c < kCallsPerRound; ++c) call_once(kind, lane);
         us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
                      kCallsPerRound);
+        if (blocked) lane.release();
         BCHECK(cudaStreamSynchronize(lane.stream));
       }
       per_thread[t] = median(us);
