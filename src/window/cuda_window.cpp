@@ -15,6 +15,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <string>
 
@@ -42,8 +43,15 @@ std::size_t control_bytes(int world) {
 // Identifies this process among the ranks: the pid alone is not enough across containers, and a
 // fork()ed child inherits statics, so the token is regenerated whenever the pid changes.
 uint64_t process_token() {
+  // Ranks that are threads of one process draw it at once when they create their windows: without
+  // the lock two of them could each draw a token and publish different ones, and then open each
+  // other's handle with cudaIpcOpenMemHandle in the exporting process, which fails
+  // (cudaErrorDeviceUninitialized, 1 run in 10-40 of `tide_bench_cuda sweep --threads` on an
+  // H200) while the peer waits in the bootstrap. Keyed by the pid: a fork()ed child draws its own.
+  static std::mutex mutex;
   static pid_t cached_pid = 0;
   static uint64_t token = 0;
+  const std::lock_guard<std::mutex> lock(mutex);
   const pid_t pid = ::getpid();
   if (pid != cached_pid) {
     std::random_device rd;
