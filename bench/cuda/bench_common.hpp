@@ -51,6 +51,7 @@ struct Args {
   std::string network = "nccl";  // between nodes: nccl | ipc (CudaReach::kHost windows)
   bool threads = false;          // ranks as threads of one process (GPU 0)
   bool prefixes = false;         // sweep/bucket: also time every prefix of the program (its chain)
+  std::string delivery = "default";  // sweep/bucket AG: default | push | cast_to_peers (plan.hpp)
   std::size_t chunk_mib = 16;  // multi-node: NetOptions::chunk_bytes (each chunk one send/recv)
   std::string wire = "fp32";   // multi-node RS: NetOptions::wire_dtype
   // rank-interference (rank_interference.cpp).

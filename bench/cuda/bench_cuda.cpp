@@ -38,7 +38,8 @@
 // context, instead of processes, whose contexts the GPU time-slices: every hand-off between
 // ranks can then wait for a time slice), --prefixes (sweep/bucket: also every prefix of the
 // program, its first k steps run back to back, so each step's share of a run's time shows:
-// the chain of a small collective).
+// the chain of a small collective), --delivery default|push|cast_to_peers (sweep/bucket AG on one
+// node: how shards reach the peers, plan.hpp's Delivery; default: default_delivery(layout)).
 //
 // Times: per rank, CUDA events around each of N back-to-back runs; the median per rank; the slowest
 // rank's median reported. algbw = bytes / time, busbw = algbw * (W-1)/W (nccl-tests). SM time =
@@ -125,6 +126,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--wire") args.wire = value();
     else if (a == "--threads") args.threads = true;
     else if (a == "--prefixes") args.prefixes = true;
+    else if (a == "--delivery") args.delivery = value();
     else if (a == "--g-mib") args.g_mib = std::stoul(value());
     else if (a == "--nvlink-gbps") args.nvlink_gbps = std::stod(value());
     else if (a == "--pace-chunk-kib") args.pace_chunk_kib = std::stoul(value());
@@ -148,6 +150,8 @@ int main_impl(int argc, char** argv) {
     throw std::runtime_error("--network " + args.network + ": expected nccl or ipc");
   if (args.wire != "fp32" && args.wire != "bf16")
     throw std::runtime_error("--wire " + args.wire + ": expected fp32 or bf16");
+  if (args.delivery != "default" && args.delivery != "push" && args.delivery != "cast_to_peers")
+    throw std::runtime_error("--delivery " + args.delivery + ": expected default, push or cast_to_peers");
   if (args.mode == "rank-interference") {
     const char* out = std::getenv("OUT");
     const std::string dir = out && *out ? std::string(out) + "/" : std::string();

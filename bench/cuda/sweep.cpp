@@ -83,8 +83,11 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       continue;
     }
     const ReduceOptions options;  // kAvg
+    const Delivery delivery = args.delivery == "push"            ? Delivery::kPush
+                              : args.delivery == "cast_to_peers" ? Delivery::kCastToPeers
+                                                                 : default_delivery(layout);
     const Program program = collective == Collective::kAllGather
-                                ? plan_all_gather(layout, rank, 1, net)
+                                ? plan_all_gather(layout, rank, 1, net, delivery)
                                 : plan_reduce_scatter(layout, rank, options, 2, net);
     // Memory before the window, whose creation ends in a barrier: with ranks as threads,
     // cudaMalloc/cudaFree may wait for the whole device while a peer's stream waits on this rank.
@@ -204,6 +207,8 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       r.staging = collective == Collective::kReduceScatter
                       ? double(program.bytes_pushed() + rs_staging_bytes(layout, net))
                       : 0.0;
+      if (collective == Collective::kAllGather && args.nodes == 1)
+        r.label += std::string(" [") + delivery_name(delivery) + "]";
       if (args.nodes > 1)
         r.label += " [" + std::to_string(topology.nodes) + "x" + std::to_string(topology.local) +
                    " nodes, " + (ipc ? "IPC" : "NCCL") + ", " + std::to_string(args.chunk_mib) +

@@ -25,7 +25,7 @@ const char* collective_name(Collective collective);
 enum class Phase : uint8_t {
   kCastIn,     // own shard -> own slot (all-gather)
   kSlotFree,   // "my window may be overwritten for this epoch" handshake
-  kPush,       // copy-engine copies into peers' slots
+  kPush,       // delivery into peers' slots: copy-engine copies (casts with Delivery::kCastToPeers)
   kDataReady,  // data-ready handshake
   kReduce,     // accumulate slots into fp32 shards (reduce-scatter)
 };
@@ -205,10 +205,35 @@ struct ReduceOptions {
   bool accumulate = false; // += into the existing output instead of overwriting it
 };
 
-// Rank `rank`'s program for the all-gather of `layout`: cast its shard of every param into its own
-// block (zero padding; a strided cast for a param sharded on a dim > 0), take the slot-free
-// handshake, push its blocks to the same blocks on every peer (2-D copies for dims > 0; peers in
-// staggered order r+1, r+2, ... to spread incoming traffic), signal data-ready, wait.
+// How a single-node all-gather delivers a rank's shard into its peers' windows.
+enum class Delivery : uint8_t {
+  // Cast the shard into the own block, then push the block to every peer: copy engines move the
+  // bytes, no SM does. On a CudaExecutor: per peer a push call and a flag call.
+  kPush,
+  // Take the slot-free handshake with every peer first, then one cast writes the shard into the
+  // own block and into the same block of every peer's window (SM stores into peer memory), then
+  // the data-ready handshake. On a CudaExecutor: 3 driver calls at any W (a flag call, the kernel,
+  // a flag call) instead of 2W + 1, but SMs move W x the shard's bytes: for small buckets.
+  kCastToPeers,
+};
+const char* delivery_name(Delivery delivery);
+
+// Buckets whose window holds at most this many bytes are delivered by kCastToPeers by default.
+// Why 2 MiB: a push call costs the host ~5 µs (BENCHMARKS.md, `tide_bench_cuda calls`); SM stores
+// of 2 MiB into peers over NVLink (~400 GB/s out of one GPU) take about as long.
+inline constexpr std::size_t kCastToPeersMaxBytes = std::size_t{2} << 20;
+// kCastToPeers for a single-node layout of W > 1 ranks whose window is at most
+// kCastToPeersMaxBytes, kPush otherwise. A pure function of the layout, so every rank picks the
+// same (a set mixing the two deliveries is correct as well: each pair of ranks hands over its
+// blocks under the same two flags either way).
+Delivery default_delivery(const BucketLayout& layout);
+
+// Rank `rank`'s program for the all-gather of `layout`, delivered as default_delivery(layout)
+// says: cast its shard of every param into its own block (zero padding; a strided cast for a param
+// sharded on a dim > 0), take the slot-free handshake, push its blocks to the same blocks on every
+// peer (2-D copies for dims > 0; peers in staggered order r+1, r+2, ... to spread incoming
+// traffic), signal data-ready, wait. With kCastToPeers the handshake comes first and the casts
+// write every window's block, own and peers' (no pushes).
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket = 0);
 
 // Rank `rank`'s program for the reduce-scatter of `layout`'s gradients: slot-free handshake (peers
@@ -241,6 +266,10 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
 // window of a multi-node reduce-scatter program is layout.window_bytes() + rs_staging_bytes().
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
                         const NetOptions& net);
+// Either version with the delivery chosen by the caller (single node; a multi-node plan delivers
+// node-locally by kPush, so `delivery` must be kPush there: InvalidArgument otherwise).
+Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
+                        const NetOptions& net, Delivery delivery);
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
                             uint32_t bucket, const NetOptions& net);
 

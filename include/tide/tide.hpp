@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 
 #include "tide/bootstrap.hpp"
@@ -25,11 +26,14 @@ namespace tide {
 
 // TIDE-AG for one bucket on one rank. Planned once; run every step. Across nodes
 // (layout.topology().nodes > 1) the program has network ops: run it on an executor with a network
-// transport (HostExecutor; CudaExecutor with an NcclComm), pacing as `net` says.
+// transport (HostExecutor; CudaExecutor with an NcclComm), pacing as `net` says. Delivered as
+// `delivery` says (unset: default_delivery(layout), plan.hpp).
 class AllGather {
  public:
-  AllGather(const BucketLayout& layout, int rank, uint32_t bucket = 0, const NetOptions& net = {})
-      : program_(plan_all_gather(layout, rank, bucket, net)) {}
+  AllGather(const BucketLayout& layout, int rank, uint32_t bucket = 0, const NetOptions& net = {},
+            std::optional<Delivery> delivery = std::nullopt)
+      : program_(plan_all_gather(layout, rank, bucket, net,
+                                 delivery.value_or(default_delivery(layout)))) {}
   const Program& program() const { return program_; }
   // Bytes of window this collective needs per rank: create the window with at least this.
   std::size_t window_bytes() const { return program_.window_bytes; }

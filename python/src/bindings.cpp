@@ -189,11 +189,17 @@ NB_MODULE(_tide, m) {
       .def("__str__", &Program::to_string);
   // Across nodes (layout.topology.nodes > 1) the programs carry network ops; size windows from
   // program.window_bytes (a reduce-scatter's adds its staging ring).
+  // delivery None: default_delivery(layout) (Delivery.cast_to_peers for small single-node buckets).
+  nb::enum_<Delivery>(m, "Delivery")
+      .value("push", Delivery::kPush)
+      .value("cast_to_peers", Delivery::kCastToPeers);
+  m.def("default_delivery", &default_delivery, "layout"_a);
   m.def("plan_all_gather",
-        [](const BucketLayout& l, int rank, uint32_t bucket, const NetOptions& net) {
-          return plan_all_gather(l, rank, bucket, net);
+        [](const BucketLayout& l, int rank, uint32_t bucket, const NetOptions& net,
+           std::optional<Delivery> delivery) {
+          return plan_all_gather(l, rank, bucket, net, delivery.value_or(default_delivery(l)));
         },
-        "layout"_a, "rank"_a, "bucket"_a = 0, "net"_a = NetOptions{});
+        "layout"_a, "rank"_a, "bucket"_a = 0, "net"_a = NetOptions{}, "delivery"_a = nb::none());
   m.def("plan_reduce_scatter",
         [](const BucketLayout& l, int rank, const ReduceOptions& o, uint32_t bucket,
            const NetOptions& net) { return plan_reduce_scatter(l, rank, o, bucket, net); },

@@ -107,9 +107,8 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
           !check_count(i, "rows", cast->rows) || !check_dtype(i, "src_dtype", cast->src_dtype) ||
           !check_dtype(i, "dst_dtype", cast->dst_dtype))
         return false;
-      CHECK(cast->dst.space == Space::kWindow && cast->dst.index == rank,
-            detail::concat("steps[", i, "].dst"), "another buffer",
-            detail::concat("the own window (window[", rank, "])"));
+      CHECK(cast->dst.space == Space::kWindow, detail::concat("steps[", i, "].dst"),
+            "an input or output", "a window (own, or a peer's with Delivery::kCastToPeers)");
       const std::size_t dst_size = dtype_size(cast->dst_dtype);
       CHECK(cast->rows >= 1, detail::concat("steps[", i, "].rows"), cast->rows, ">= 1");
       if (cast->rows > 1) {  // a strided destination: whole elements apart, rows apart, no padding

@@ -24,18 +24,33 @@ Program detail::empty_program(Collective collective, const BucketLayout& layout,
   return program;
 }
 
+CastOp detail::shard_cast(const ParamLayout& p, int i, int rank, int window) {
+  const int64_t valid = p.valid_rows(rank) * p.row_numel;
+  const int64_t pad = p.rows_per_rank * p.row_numel - valid;
+  return {win(window, p.block_offset(rank)), {Space::kInput, i, 0}, valid, pad, p.shard_dtype,
+          p.dtype, p.outer_rows, p.outer_rows > 1 ? p.block_pitch : 0};
+}
+
 void detail::add_cast_in(Program& program, const BucketLayout& layout) {
-  const int rank = program.rank;
   const auto& params = layout.params();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const ParamLayout& p = params[i];
-    const int64_t valid = p.valid_rows(rank) * p.row_numel;
-    const int64_t pad = p.rows_per_rank * p.row_numel - valid;
-    program.steps.push_back({Phase::kCastIn, CastOp{win(rank, p.block_offset(rank)),
-                                                   {Space::kInput, static_cast<int>(i), 0}, valid,
-                                                   pad, p.shard_dtype, p.dtype, p.outer_rows,
-                                                   p.outer_rows > 1 ? p.block_pitch : 0}});
+  for (std::size_t i = 0; i < params.size(); ++i)
+    program.steps.push_back(
+        {Phase::kCastIn, shard_cast(params[i], static_cast<int>(i), program.rank, program.rank)});
+}
+
+const char* delivery_name(Delivery delivery) {
+  switch (delivery) {
+    case Delivery::kPush: return "push";
+    case Delivery::kCastToPeers: return "cast_to_peers";
   }
+  return "?";
+}
+
+Delivery default_delivery(const BucketLayout& layout) {
+  return layout.topology().nodes == 1 && layout.world() > 1 &&
+                 layout.window_bytes() <= kCastToPeersMaxBytes
+             ? Delivery::kCastToPeers
+             : Delivery::kPush;
 }
 
 void detail::check_dim0_sharding(const BucketLayout& layout, const char* where) {
@@ -96,7 +111,7 @@ CopyOp chunk_push(const ParamLayout& p, int i, int q, int from) {
 }  // namespace
 
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket) {
-  return plan_all_gather(layout, rank, bucket, NetOptions{});
+  return plan_all_gather(layout, rank, bucket, NetOptions{}, default_delivery(layout));
 }
 
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
@@ -121,11 +136,26 @@ void check_reduce_options(const BucketLayout& layout, const ReduceOptions& optio
                    detail::concat("fp32 or the param's dtype ", dtype_name(p.dtype)));
 }
 
-Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket) {
+Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket,
+                                 Delivery delivery) {
   Program program = detail::empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
   const auto& params = layout.params();
-  add_cast_in(program, layout);
   const std::vector<int> peers = staggered_peers(rank, layout.world());
+  if (delivery == Delivery::kCastToPeers) {
+    // Every peer's slot-free first: the casts into its window follow, all in one kernel.
+    add_slot_free_signals(program, peers);
+    for (int q : peers) program.steps.push_back({Phase::kSlotFree, WaitOp{q, FlagKind::kSlotFree}});
+    add_cast_in(program, layout);
+    for (int q : peers)
+      for (std::size_t i = 0; i < params.size(); ++i)
+        program.steps.push_back({Phase::kPush, shard_cast(params[i], static_cast<int>(i), rank, q)});
+    for (int q : peers)
+      program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
+    for (int q : peers)
+      program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
+    return program;
+  }
+  add_cast_in(program, layout);
   add_slot_free_signals(program, peers);
   add_pushes(program, peers, [&](int q) {
     CopyBatch batch;

@@ -20,6 +20,9 @@ void check_net(const NetOptions& net, const char* where);
 // A program with its header filled in and no steps; checks rank and bucket (`where` names the API).
 Program empty_program(Collective collective, const BucketLayout& layout, int rank, uint32_t bucket,
                       const char* where);
+// Param i's input shard of `rank`, cast into block(i, rank) of `window`'s window (zero padded;
+// strided for a param sharded on a dim > 0).
+CastOp shard_cast(const ParamLayout& p, int i, int rank, int window);
 // The all-gather's first steps: every param's input shard cast into the own block, zero padded.
 void add_cast_in(Program& program, const BucketLayout& layout);
 // Multi-node plans shard on dim 0 only: InvalidArgument naming the first param that does not.
@@ -29,7 +32,8 @@ std::vector<int> local_peers(const Topology& t, int rank);
 // Elements of one reduce-scatter staging chunk (sized for fp32 whatever the wire dtype).
 int64_t rs_chunk_elems(const BucketLayout& layout, const NetOptions& net);
 
-Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket);
+Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket,
+                                 Delivery delivery);
 Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
                                      const ReduceOptions& options, uint32_t bucket);
 

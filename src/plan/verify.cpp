@@ -127,11 +127,17 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
           [&](const auto& op) {
             using T = std::decay_t<decltype(op)>;
             if constexpr (std::is_same_v<T, CastOp>) {
-              if (op.dst.space != Space::kWindow || op.dst.index != r)
-                fail(program, s, "cast must write the own window");
+              if (op.dst.space != Space::kWindow || op.dst.index < 0 || op.dst.index >= world)
+                fail(program, s, "cast must write a window");
+              const int q = op.dst.index;
               if (op.count < 0 || op.pad < 0 || op.rows < 1) fail(program, s, "negative cast size");
               if (op.src.space != Space::kInput) fail(program, s, "cast must read an input");
               if (collective != Collective::kAllGather) fail(program, s, "a reduce-scatter has no casts");
+              // Delivery::kCastToPeers: into a peer's window only inside its handshake.
+              if (q != r && !waited_free.count(q))
+                fail(program, s, detail::concat("cast into rank ", q, "'s window before its slot-free wait"));
+              if (q != r && signalled_data.count(q))
+                fail(program, s, detail::concat("cast into rank ", q, "'s window after its data-ready signal"));
               const int i = locate(op.dst.offset).first;
               if (i < 0 || op.dst.offset != params[i].block_offset(r))
                 fail(program, s, "cast must write the own block of a param");
@@ -147,7 +153,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
               check_bounds(op.dst, op.dst_extent(), "cast destination");
               const std::size_t row_bytes = (op.count + op.pad) * dtype_size(op.dst_dtype);
               for (int64_t j = 0; j < op.rows; ++j)
-                record_write(r, op.dst.offset + j * op.dst_pitch, row_bytes);
+                record_write(q, op.dst.offset + j * op.dst_pitch, row_bytes);
             } else if constexpr (std::is_same_v<T, CopyBatch>) {
               for (const CopyOp& c : op.copies) {
                 if (c.rows < 1 || (c.rows > 1 && (c.src_pitch < c.bytes || c.dst_pitch < c.bytes)))

@@ -204,9 +204,10 @@ std::string check_layout(const BucketLayout& l) {
 }
 
 std::vector<Program> plan_set(const BucketLayout& layout, Collective c, uint32_t bucket,
-                              const ReduceOptions& o) {
+                              const ReduceOptions& o, std::optional<Delivery> delivery = {}) {
   std::vector<Program> set;
-  for (int r = 0; r < layout.world(); ++r) set.push_back(test::plan_for(c, layout, r, bucket, o));
+  for (int r = 0; r < layout.world(); ++r)
+    set.push_back(test::plan_for(c, layout, r, bucket, o, delivery));
   return set;
 }
 
@@ -236,18 +237,23 @@ TEST(Fuzz, LayoutsAndPlans) {
       if (const std::string bad = check_layout(layout); !bad.empty()) t.fail(i, bad);
       if (i % 3 != 0) continue;  // a third of the valid layouts: plan every rank, verify
       const uint32_t bucket = static_cast<uint32_t>(uniform(rng, 0, (int64_t{1} << 31) - 1));
+      // One node: either delivery (multi-node plans push).
+      const Delivery delivery = layout.topology().nodes == 1 && chance(rng, 0.5)
+                                    ? Delivery::kCastToPeers
+                                    : Delivery::kPush;
       for (Collective coll : {Collective::kAllGather, Collective::kReduceScatter}) {
-        const auto set = plan_set(layout, coll, bucket, random_options(rng));
+        const auto set = plan_set(layout, coll, bucket, random_options(rng), delivery);
         verify_programs(layout, set);
         if (coll == Collective::kAllGather) {
           std::size_t slots = 0;
           for (const ParamLayout& p : layout.params()) slots += p.slot_bytes();
-          // One node: every slot to every peer. Several: node-local copies only, every rail slot
-          // (own + the other nodes' on the same rail) to each local peer; the rest is network.
+          // One node: every slot to every peer (or none, cast into the peers' windows). Several:
+          // node-local copies only, every rail slot (own + the other nodes' on the same rail) to
+          // each local peer; the rest is network.
           const Topology& topo = layout.topology();
-          const std::size_t expected = topo.nodes > 1
-                                           ? std::size_t(topo.local - 1) * topo.nodes * slots
-                                           : (layout.world() - 1) * slots;
+          const std::size_t expected = topo.nodes > 1 ? std::size_t(topo.local - 1) * topo.nodes * slots
+                                       : delivery == Delivery::kCastToPeers ? 0
+                                                                             : (layout.world() - 1) * slots;
           if (set[0].bytes_pushed() != expected) t.fail(i, "AG pushes wrong");
         }
       }
@@ -433,7 +439,13 @@ std::string corrupt_step(Rng& rng, RunCase& c) {
       case 1: cast->pad = pick<int64_t>(rng, {-1, INT64_MIN, INT64_MAX}); return at + ".pad";
       case 2: cast->src_dtype = static_cast<DType>(uniform(rng, 3, 255)); return at + ".src_dtype";
       case 3: cast->dst_dtype = static_cast<DType>(uniform(rng, 3, 255)); return at + ".dst_dtype";
-      case 4: cast->dst.index = world > 1 ? (rank + 1) % world : bad_rank(); return at + ".dst";
+      case 4:  // any rank's window is a cast's to write (Delivery::kCastToPeers); no other buffer
+        if (chance(rng, 0.5)) {
+          cast->dst.index = bad_rank();
+          return at + ".dst.index";
+        }
+        cast->dst.space = Space::kOutput;
+        return at + ".dst";
       case 5: cast->dst.offset = wb; if (cast->count + cast->pad == 0) return ""; return at + ".dst";
       default: cast->src.index = pick<int>(rng, {-1, c.program.num_params, INT_MAX});
         return at + ".src.index";

@@ -17,14 +17,15 @@ using test::Buffer;
 // AG bitwise against the reference and RS against fp64; returns every rank's RS outputs (bytes).
 std::vector<std::vector<std::byte>> ag_then_rs(const BucketLayout& layout, uint64_t seed,
                                                const ReduceOptions& o, int repeats = 1,
-                                               bool jitter = false) {
+                                               bool jitter = false,
+                                               std::optional<Delivery> delivery = {}) {
   const int world = layout.world();
   std::vector<std::vector<std::byte>> results(world);
   harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
     std::mt19937 rng(seed * 31 + rank);
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, std::chrono::milliseconds(20000));
-    AllGather ag(layout, rank, 3);
+    AllGather ag(layout, rank, 3, NetOptions{}, delivery);
     ReduceScatter rs(layout, rank, o, 3);
     std::vector<Buffer> shards, grads, outs;
     std::vector<const void*> shard_ptrs, grad_ptrs;
@@ -85,7 +86,9 @@ TEST_P(HostExecutorProperty, RandomBucketsAllGatherAndReduceScatter) {
     o.kind = n % 2 ? ReduceKind::kAvg : ReduceKind::kSum;
     o.prescale = n % 3 == 0 ? 0.25f : 1.0f;
     o.postscale = n % 5 == 0 ? 3.0f : 1.0f;
-    ag_then_rs(layout, 1000 + n, o, /*repeats=*/2);
+    // Both deliveries (the buckets are small: the default would cast into the peers' windows).
+    const Delivery delivery = (n / 2) % 2 ? Delivery::kPush : Delivery::kCastToPeers;
+    ag_then_rs(layout, 1000 + n, o, /*repeats=*/2, /*jitter=*/false, delivery);
     if (HasFatalFailure()) return;
   }
 }

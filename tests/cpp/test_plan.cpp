@@ -2,6 +2,7 @@
 // for each W, plus mutations that the checker must catch (so the property test can fail).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 #include "test_util.hpp"
@@ -9,11 +10,12 @@
 namespace tide {
 namespace {
 
-std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {}) {
+// All-gathers pushed unless `delivery` says otherwise.
+std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {},
+                              Delivery delivery = Delivery::kPush) {
   std::vector<Program> programs;
   for (int r = 0; r < layout.world(); ++r)
-    programs.push_back(c == Collective::kAllGather ? plan_all_gather(layout, r, 5)
-                                                   : plan_reduce_scatter(layout, r, o, 5));
+    programs.push_back(test::plan_for(c, layout, r, 5, o, delivery));
   return programs;
 }
 
@@ -26,8 +28,9 @@ TEST_P(PlanProperty, ThousandRandomBucketsVerify) {
   shape.inner_shard_dims = true;  // params sharded on dims > 0 mixed in
   for (int n = 0; n < 1000; ++n) {
     BucketLayout layout(test::random_specs(rng, world, shape), Topology::single_node(world));
-    ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kAllGather)))
-        << layout.describe();
+    for (const Delivery delivery : {Delivery::kPush, Delivery::kCastToPeers})
+      ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kAllGather, {}, delivery)))
+          << delivery_name(delivery) << "\n" << layout.describe();
     ReduceOptions o;
     o.kind = n % 2 ? ReduceKind::kAvg : ReduceKind::kSum;
     o.accumulate = n % 3 == 0;
@@ -39,7 +42,7 @@ INSTANTIATE_TEST_SUITE_P(W, PlanProperty, ::testing::Values(1, 2, 3, 4, 5, 8, 64
 
 TEST(Plan, AllGatherPushesEverySlotOncePerPeer) {
   BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(4));
-  const Program p = plan_all_gather(layout, 1, 9);
+  const Program p = plan_all_gather(layout, 1, 9, NetOptions{}, Delivery::kPush);
   // Own shards: 2 casts; to each of 3 peers a batch of 2 slots: total bytes = 3 * sum(slot bytes).
   EXPECT_EQ(p.bytes_pushed(), 3 * (layout.param(0).slot_bytes() + layout.param(1).slot_bytes()));
   const std::string text = p.to_string();
@@ -53,6 +56,63 @@ TEST(Plan, AllGatherPushesEverySlotOncePerPeer) {
   // Staggered: the first peer rank 1 pushes to is rank 2.
   EXPECT_LT(text.find("wait slot_free <- rank 2"), text.find("wait slot_free <- rank 3"));
   EXPECT_LT(text.find("wait slot_free <- rank 3"), text.find("wait slot_free <- rank 0"));
+}
+
+// Delivery::kCastToPeers: every peer's slot-free first, then the casts of every param into every
+// window (own first, then the peers in staggered order), then the data-ready handshake; no pushes.
+TEST(Plan, AllGatherCastToPeersWritesEveryWindowInsideTheHandshake) {
+  BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(4));
+  const Program p = plan_all_gather(layout, 1, 9, NetOptions{}, Delivery::kCastToPeers);
+  EXPECT_EQ(p.bytes_pushed(), 0u);
+  ASSERT_EQ(p.steps.size(), 3u + 3u + 2u * 4u + 3u + 3u);
+  std::vector<int> cast_windows;
+  for (std::size_t k = 0; k < p.steps.size(); ++k) {
+    const Step& step = p.steps[k];
+    const bool handshake_first = k < 6, handshake_last = k >= 14;
+    if (handshake_first)
+      EXPECT_EQ(step.phase, Phase::kSlotFree) << k;
+    else if (handshake_last)
+      EXPECT_EQ(step.phase, Phase::kDataReady) << k;
+    else if (const auto* cast = std::get_if<CastOp>(&step.op))
+      cast_windows.push_back(cast->dst.index);
+    else
+      ADD_FAILURE() << "step " << k << " is not a cast";
+  }
+  EXPECT_EQ(cast_windows, (std::vector<int>{1, 1, 2, 2, 3, 3, 0, 0}));
+  const std::string text = p.to_string();
+  EXPECT_NE(text.find("[cast_in] cast in[0]+0 -> win[1]+24 (fp32->bf16, 12 elems + 0 zero pad)"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("[push] cast in[0]+0 -> win[2]+24 (fp32->bf16, 12 elems + 0 zero pad)"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("[push] cast in[1]+0 -> win[0]+260 (fp32->fp32, 1 elems + 0 zero pad)"),
+            std::string::npos) << text;
+}
+
+TEST(Plan, DefaultDeliveryCastsSmallSingleNodeBucketsToPeers) {
+  const BucketLayout small({{"w", {256, 64}}}, Topology::single_node(2));  // 32 KiB
+  EXPECT_EQ(default_delivery(small), Delivery::kCastToPeers);
+  const int64_t rows = static_cast<int64_t>(kCastToPeersMaxBytes / 2 / 64);
+  EXPECT_EQ(default_delivery(BucketLayout({{"w", {rows, 64}}}, Topology::single_node(2))),
+            Delivery::kCastToPeers) << "exactly kCastToPeersMaxBytes";
+  EXPECT_EQ(default_delivery(BucketLayout({{"w", {rows + 2, 64}}}, Topology::single_node(2))),
+            Delivery::kPush) << "past kCastToPeersMaxBytes";
+  EXPECT_EQ(default_delivery(BucketLayout({{"w", {256, 64}}}, Topology::single_node(1))),
+            Delivery::kPush) << "W = 1 has no peers";
+  const BucketLayout nodes({{"w", {256, 64}}}, Topology{2, 2});
+  EXPECT_EQ(default_delivery(nodes), Delivery::kPush) << "multi-node plans push";
+  EXPECT_EQ(plan_all_gather(small, 0).bytes_pushed(), 0u) << "the 3-argument planner uses the default";
+  try {
+    plan_all_gather(nodes, 0, 1, NetOptions{}, Delivery::kCastToPeers);
+    ADD_FAILURE() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("delivery = cast_to_peers, expected push with 2 nodes"),
+              std::string::npos) << e.what();
+  }
+  // Ranks that deliver differently still hand over every block under the same flags.
+  BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(3));
+  std::vector<Program> mixed = plan_all(layout, Collective::kAllGather);
+  mixed[1] = plan_all_gather(layout, 1, 5, NetOptions{}, Delivery::kCastToPeers);
+  EXPECT_NO_THROW(verify_programs(layout, mixed));
 }
 
 TEST(Plan, ReduceScatterReadsOwnChunkInPlaceAndPeersFromVacatedSlots) {
@@ -132,6 +192,37 @@ TEST(PlanVerifier, CatchesMutations) {
       EXPECT_NE(std::string(e.what()).find("deadlock"), std::string::npos) << e.what();
     }
   }
+  // Casts into peers' windows (Delivery::kCastToPeers) only inside the handshake, each block once.
+  auto cast_edit = [&](auto&& edit) {
+    auto programs = plan_all(layout, Collective::kAllGather, {}, Delivery::kCastToPeers);
+    auto& steps = programs[1].steps;
+    const auto peer_cast = std::find_if(steps.begin(), steps.end(), [](const Step& s) {
+      const auto* c = std::get_if<CastOp>(&s.op);
+      return c != nullptr && c->dst.index != 1;
+    });
+    EXPECT_NE(peer_cast, steps.end());
+    edit(steps, peer_cast);
+    return programs;
+  };
+  auto expect_rejected = [&](const std::vector<Program>& programs, const std::string& why) {
+    try {
+      verify_programs(layout, programs);
+      ADD_FAILURE() << why << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  expect_rejected(cast_edit([](auto& steps, auto it) { std::rotate(steps.begin(), it, it + 1); }),
+                  "cast into rank 2's window before its slot-free wait");
+  expect_rejected(cast_edit([](auto& steps, auto it) { std::rotate(it, it + 1, steps.end()); }),
+                  "cast into rank 2's window after its data-ready signal");
+  expect_rejected(cast_edit([](auto& steps, auto it) { steps.insert(it, *it); }), "overlap");
+  expect_rejected(cast_edit([](auto& steps, auto it) { steps.erase(it); }),
+                  "the bytes written are not exactly");
+  expect_rejected(cast_edit([&](auto&, auto it) {
+                    std::get<CastOp>(it->op).dst.offset = layout.param(0).block_offset(2);
+                  }),
+                  "cast must write the own block of a param");
   auto early_reduce = plan_all(layout, Collective::kReduceScatter);
   std::rotate(early_reduce[0].steps.begin(), early_reduce[0].steps.end() - 1,
               early_reduce[0].steps.end());  // the last reduce moves before the data waits

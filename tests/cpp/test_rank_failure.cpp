@@ -154,7 +154,7 @@ TEST_P(RankFailure, DiesAfterItsPushesBeforeItsSignals) {
         HostExecutor executor(*window, std::chrono::milliseconds(timeout_ms));
         good_steps(rank, executor, *window);
         if (rank == kVictim) {
-          Program program = test::plan_for(c, layout(), rank, kBucket);
+          Program program = test::plan_for(c, layout(), rank, kBucket, {}, Delivery::kPush);
           std::erase_if(program.steps, [](const Step& s) {
             return s.phase == Phase::kDataReady || s.phase == Phase::kReduce;
           });

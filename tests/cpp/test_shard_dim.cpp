@@ -18,9 +18,12 @@ ParamSpec spec(std::string name, std::vector<int64_t> shape, int shard_dim, DTyp
   return {std::move(name), std::move(shape), dtype, shard_dtype, shard_dim};
 }
 
-std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {}) {
+// All-gathers pushed unless `delivery` says otherwise (the 2-D copies are what these tests check).
+std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {},
+                              Delivery delivery = Delivery::kPush) {
   std::vector<Program> programs;
-  for (int r = 0; r < layout.world(); ++r) programs.push_back(test::plan_for(c, layout, r, 5, o));
+  for (int r = 0; r < layout.world(); ++r)
+    programs.push_back(test::plan_for(c, layout, r, 5, o, delivery));
   return programs;
 }
 
@@ -100,13 +103,34 @@ TEST(ShardDimLayout, UnevenOrOutOfRangeShardDimsAreRejectedByName) {
 
 TEST(ShardDimPlan, AllGatherCastsIntoTheStridedBlockAndPushesIt) {
   BucketLayout layout({spec("w", {4, 6}, 1)}, Topology::single_node(3));  // I = 2, pitch 12 B
-  const Program p = plan_all_gather(layout, 1, 9);
+  const Program p = plan_all_gather(layout, 1, 9, NetOptions{}, Delivery::kPush);
   const std::string text = p.to_string();
   EXPECT_NE(text.find("cast in[0]+0 -> win[1]+4 (fp32->bf16, 2 elems + 0 zero pad x 4 rows, dst "
                       "pitch 12)"), std::string::npos) << text;
   EXPECT_NE(text.find("win[1]+4 -> win[2]+4 (4 B x 4 rows, pitch 12 -> 12)"), std::string::npos) << text;
   EXPECT_EQ(p.bytes_pushed(), 2 * layout.param(0).slot_bytes());
   ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kAllGather)));
+}
+
+// Cast into the peers' windows: the same strided block, rows at the same pitch, in every window.
+TEST(ShardDimPlan, AllGatherCastsTheStridedBlockIntoEveryWindow) {
+  BucketLayout layout({spec("w", {4, 6}, 1)}, Topology::single_node(3));
+  const Program p = plan_all_gather(layout, 1, 9, NetOptions{}, Delivery::kCastToPeers);
+  const std::string text = p.to_string();
+  for (int q : {1, 2, 0})
+    EXPECT_NE(text.find(detail::concat("cast in[0]+0 -> win[", q, "]+4 (fp32->bf16, 2 elems + 0 "
+                                       "zero pad x 4 rows, dst pitch 12)")),
+              std::string::npos) << text;
+  EXPECT_EQ(p.bytes_pushed(), 0u);
+  ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kAllGather, {},
+                                                   Delivery::kCastToPeers)));
+  auto programs = plan_all(layout, Collective::kAllGather, {}, Delivery::kCastToPeers);
+  for (Step& s : programs[1].steps)
+    if (auto* cast = std::get_if<CastOp>(&s.op); cast && cast->dst.index == 2) {
+      cast->dst_pitch += 2;
+      break;
+    }
+  EXPECT_THROW(verify_programs(layout, programs), Error) << "a peer's strided cast at the wrong pitch";
 }
 
 TEST(ShardDimPlan, ReduceScatterStagesBlocksContiguouslyIncludingItsOwn) {

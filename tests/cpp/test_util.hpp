@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -181,10 +182,13 @@ struct RankBuffers {
   RankBuffers(RankBuffers&&) = default;
 };
 
+// All-gathers delivered as `delivery` says (unset: default_delivery(layout)).
 inline Program plan_for(Collective c, const BucketLayout& layout, int rank, uint32_t bucket,
-                        const ReduceOptions& o = {}) {
-  return c == Collective::kAllGather ? plan_all_gather(layout, rank, bucket)
-                                     : plan_reduce_scatter(layout, rank, o, bucket);
+                        const ReduceOptions& o = {}, std::optional<Delivery> delivery = {}) {
+  return c == Collective::kAllGather
+             ? plan_all_gather(layout, rank, bucket, NetOptions{},
+                               delivery.value_or(default_delivery(layout)))
+             : plan_reduce_scatter(layout, rank, o, bucket);
 }
 
 // "" if rank's result of collective c (seed, options o) is right: all-gather bitwise in `window`,

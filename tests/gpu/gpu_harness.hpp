@@ -4,6 +4,8 @@
 // CUDA executor, and byte captures to compare.
 #pragma once
 
+#include <optional>
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -126,6 +128,7 @@ struct Scenario {
   NetOptions net = {};
   CudaMemory memory = CudaMemory::kMalloc;  // of the CUDA windows
   CudaReach reach = CudaReach::kNode;       // kHost: virtual nodes, network over CUDA IPC
+  std::optional<Delivery> delivery = std::nullopt;  // all-gathers; unset: default_delivery(layout)
 
   Topology topology() const { return Topology{nodes, world / nodes}; }
   BucketLayout layout() const { return BucketLayout(specs, topology()); }
@@ -154,9 +157,9 @@ inline RankData make_rank_data(const BucketLayout& layout, const Invocation& inv
 }
 
 inline Program plan(const Scenario& s, const BucketLayout& layout, const Invocation& inv, int rank) {
-  return inv.collective == Collective::kAllGather
-             ? plan_all_gather(layout, rank, inv.bucket, s.net)
-             : plan_reduce_scatter(layout, rank, inv.options, inv.bucket, s.net);
+  if (inv.collective == Collective::kReduceScatter)
+    return plan_reduce_scatter(layout, rank, inv.options, inv.bucket, s.net);
+  return plan_all_gather(layout, rank, inv.bucket, s.net, s.delivery.value_or(default_delivery(layout)));
 }
 
 // The window every invocation of the scenario fits in (multi-node reduce-scatters add staging).

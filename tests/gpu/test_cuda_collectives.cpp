@@ -179,15 +179,20 @@ TEST(CudaDevice, ProbeLeavesThisProcessFreeOfCuda) {
   if (!available) GTEST_SKIP() << "no usable CUDA device: only the probe was checked";
 }
 
+constexpr Delivery kDeliveries[] = {Delivery::kPush, Delivery::kCastToPeers};
+
+// Both deliveries: copy-engine pushes, and one cast kernel storing into every peer's window.
 TEST(CudaCollectives, AllGatherMatchesHostExecutorBitwise) {
   TIDE_REQUIRE_GPU();
-  for (int world : {2, 3, 4, 8}) {
-    std::mt19937_64 rng(1000 + world);
-    Scenario s{random_specs(rng, world), world,
-               {{Collective::kAllGather, {}, 3, 11}, {Collective::kAllGather, {}, 4, 12}}, 2};
-    SCOPED_TRACE("W=" + std::to_string(world));
-    run_and_check(s);
-  }
+  for (const Delivery delivery : kDeliveries)
+    for (int world : {2, 3, 4, 8}) {
+      std::mt19937_64 rng(1000 + world);
+      Scenario s{random_specs(rng, world), world,
+                 {{Collective::kAllGather, {}, 3, 11}, {Collective::kAllGather, {}, 4, 12}}, 2};
+      s.delivery = delivery;
+      SCOPED_TRACE(detail::concat("W=", world, " ", delivery_name(delivery)));
+      run_and_check(s);
+    }
 }
 
 TEST(CudaCollectives, ReduceScatterMatchesHostExecutorAndFp64) {
@@ -267,8 +272,11 @@ TEST(CudaCollectives, InnerShardDimsMatchHostExecutorBitwise) {
                 {Collective::kAllGather, {}, 8, 53},
                 {Collective::kReduceScatter, options(ReduceKind::kSum, 0.5f, 2.0f, true), 8, 54}},
                2};
-    SCOPED_TRACE("W=" + std::to_string(world));
-    run_and_check(s);
+    for (const Delivery delivery : kDeliveries) {
+      s.delivery = delivery;
+      SCOPED_TRACE(detail::concat("W=", world, " ", delivery_name(delivery)));
+      run_and_check(s);
+    }
   }
 }
 
@@ -308,18 +316,22 @@ TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
              {{Collective::kAllGather, {}, 1, 51},
               {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, true), 1, 52}},
              2};
-  const harness::TempDir dir;
-  const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
-    const auto thread_reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
-      ranks_are_threads = true;
-      run_scenario_on_gpu(s, rank, b, dir.path());
-    }, kThreadRankTimeout);
-    for (int r = 0; r < world; ++r)
-      if (thread_reports[r] != "ok")
-        throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
-  }, gpu_ranks(dir, 120s)).reports;
-  ASSERT_EQ(reports[0], "ok");
-  check_scenario(s, dir.path());
+  for (const Delivery delivery : kDeliveries) {
+    s.delivery = delivery;
+    SCOPED_TRACE(delivery_name(delivery));
+    const harness::TempDir dir;
+    const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
+      const auto thread_reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
+        ranks_are_threads = true;
+        run_scenario_on_gpu(s, rank, b, dir.path());
+      }, kThreadRankTimeout);
+      for (int r = 0; r < world; ++r)
+        if (thread_reports[r] != "ok")
+          throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
+    }, gpu_ranks(dir, 120s)).reports;
+    ASSERT_EQ(reports[0], "ok");
+    check_scenario(s, dir.path());
+  }
 }
 
 // Across nodes over NCCL: every GPU its own node (NCCL refuses two ranks on one GPU), rail
@@ -564,10 +576,11 @@ TEST(CudaCollectives, MismatchedBucketsRaiseDesyncError) {
 }
 
 // A run's consecutive signals and waits go in one cuStreamBatchMemOp, which also writes the marks the
-// watchdog reads (no events): at W ranks an all-gather or a reduce-scatter of one param makes W
-// memop calls and one kernel launch (3W - 2 memop calls and 4(W - 1) events when every wait had its
-// own call and two events). The driver calls are a small collective's fixed cost (BENCHMARKS.md);
-// the other tests check the results.
+// watchdog reads (no events): at W ranks an all-gather (pushed) or a reduce-scatter of one param
+// makes W memop calls, one kernel launch and W - 1 copies (3W - 2 memop calls and 4(W - 1) events
+// when every wait had its own call and two events); an all-gather cast into the peers' windows
+// makes 2 memop calls, one kernel launch and no copy. The driver calls are a small collective's
+// fixed cost (BENCHMARKS.md); the other tests check the results.
 TEST(CudaCollectives, ARunsFlagOpsShareDriverCalls) {
   TIDE_REQUIRE_GPU();
   for (const int world : {2, 4}) {
@@ -588,21 +601,25 @@ TEST(CudaCollectives, ARunsFlagOpsShareDriverCalls) {
       {
         CudaExecutor executor(*window, stream, 20000ms);
         executor.enable_stats(true);
-        executor.run(plan_all_gather(layout, rank, 1), Bindings{{shard.ptr}, {}});
-        const CudaExecutor::Stats ag = executor.stats();
+        for (const Delivery delivery : kDeliveries) {
+          executor.reset_stats();
+          executor.run(plan_all_gather(layout, rank, 1, NetOptions{}, delivery), Bindings{{shard.ptr}, {}});
+          const CudaExecutor::Stats ag = executor.stats();
+          counts += detail::concat(delivery_name(delivery), " ", ag.mem_op_calls, " ",
+                                   ag.kernel_launches, " ", ag.copies, " ");
+        }
         executor.reset_stats();
         executor.run(plan_reduce_scatter(layout, rank, ReduceOptions{}, 2),
                      Bindings{{grad.ptr}, {shard.ptr}});
         const CudaExecutor::Stats rs = executor.stats();
-        counts = detail::concat("ag ", ag.mem_op_calls, " ", ag.kernel_launches, " rs ",
-                                rs.mem_op_calls, " ", rs.kernel_launches);
+        counts += detail::concat("rs ", rs.mem_op_calls, " ", rs.kernel_launches, " ", rs.copies);
       }
       b.barrier();
       CHECK_CUDA(cudaStreamDestroy(stream));
       throw std::runtime_error(counts);  // reported as "std::exception: <counts>"
     }, gpu_ranks(dir)).reports;
-    const std::string expected =
-        detail::concat("std::exception: ag ", world, " 1 rs ", world, " 1");
+    const std::string expected = detail::concat("std::exception: push ", world, " 1 ", world - 1,
+                                                " cast_to_peers 2 1 0 rs ", world, " 1 ", world - 1);
     for (int r = 0; r < world; ++r) EXPECT_EQ(reports[r], expected) << "rank " << r;
   }
 }
@@ -618,10 +635,12 @@ TEST(CudaCollectives, EqualParamsPushAsOne2dCopyPerPeer) {
   for (int i = 0; i < 4; ++i) specs.push_back({"n" + std::to_string(i), {64, 32}, DType::kBF16, DType::kBF16});
   for (const int world : {2, 4}) {
     SCOPED_TRACE("W=" + std::to_string(world));
-    run_and_check(Scenario{specs, world,
-                           {{Collective::kAllGather, {}, 3, 61},
-                            {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 4, 62}},
-                           2});
+    Scenario s{specs, world,
+               {{Collective::kAllGather, {}, 3, 61},
+                {Collective::kReduceScatter, options(ReduceKind::kAvg, 1.0f, 1.0f, false), 4, 62}},
+               2};
+    s.delivery = Delivery::kPush;
+    run_and_check(s);
   }
   const BucketLayout layout(std::vector<ParamSpec>(specs.begin(), specs.begin() + 8),
                             Topology::single_node(2));
@@ -641,7 +660,7 @@ TEST(CudaCollectives, EqualParamsPushAsOne2dCopyPerPeer) {
     std::string counts;
     {
       CudaExecutor executor(*window, stream, 20000ms);
-      executor.run(plan_all_gather(layout, rank, 1), bindings);
+      executor.run(plan_all_gather(layout, rank, 1, NetOptions{}, Delivery::kPush), bindings);
       const CudaExecutor::Stats st = executor.stats();
       counts = detail::concat("copies ", st.copies, " 2d ", st.copies_2d, " coalesced ",
                               st.copies_coalesced);
