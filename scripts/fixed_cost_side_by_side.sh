@@ -6,12 +6,12 @@
 #   scripts/fixed_cost_side_by_side.sh BEFORE_BIN AFTER_BIN [ROUNDS]    (default 3 rounds)
 #
 # Per round and build: the 1 MiB all-gather and reduce-scatter at W = 2; once per build: the
-# 1 MiB and 4 MiB all-gathers at W = 8, the 4 MiB one at W = 2, the 512 x 64 KiB and the experts
-# (384 x 3 MiB) all-gathers at W = 2; then AFTER_BIN's driver-call costs (tide_bench_cuda calls).
-# Prints one line per measurement, sorted by build, so the rounds of one case stand together.
-# BEFORE_AG_ARGS / AFTER_AG_ARGS (default empty) are added to that build's all-gathers: one
-# binary against itself with two options, e.g. "--delivery push" and "--delivery cast_to_peers"
-# (the reduce-scatters, the same in both, then show the lease's noise).
+# 1 MiB all-gather and reduce-scatter at W = 8, the 4 MiB all-gathers at W = 2 and 8, the
+# 512 x 64 KiB and the experts (384 x 3 MiB) all-gathers at W = 2; then AFTER_BIN's driver-call
+# costs (tide_bench_cuda calls). Prints one line per measurement, sorted by build, so the rounds of
+# one case stand together. BEFORE_ARGS / AFTER_ARGS (default empty) are added to that build's
+# runs: one binary against itself with two options, e.g. "--delivery push" and
+# "--delivery cast_to_peers".
 set -uo pipefail
 [[ $# -ge 2 && -x $1 && -x $2 ]] || { echo "usage: $0 BEFORE_BIN AFTER_BIN [ROUNDS]" >&2; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,7 +20,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32
 # 90 s limit below kills the run; its default is 120 s.
 export TIDE_TIMEOUT_MS=${TIDE_TIMEOUT_MS:-30000}
 declare -A BIN=([before]=$1 [after]=$2)
-declare -A AG_ARGS=([before]=${BEFORE_AG_ARGS:-} [after]=${AFTER_AG_ARGS:-})
+declare -A ARGS=([before]=${BEFORE_ARGS:-} [after]=${AFTER_ARGS:-})
 ROUNDS=${3:-3}
 
 # One bench row as "<time> us; host <t> us; <check>". A row is: label (several words), W, bytes
@@ -48,19 +48,24 @@ row() { # name, then the bench's arguments
   for ((r = 1; r <= ROUNDS; ++r)); do
     for v in before after; do
       # shellcheck disable=SC2086
-      row "$v ag 1 MiB W=2" "${BIN[$v]}" sweep --collective ag --world 2 --min-mib 1 --max-mib 1 --threads ${AG_ARGS[$v]}
-      row "$v rs 1 MiB W=2" "${BIN[$v]}" sweep --collective rs --world 2 --min-mib 1 --max-mib 1 --threads
+      row "$v ag 1 MiB W=2" "${BIN[$v]}" sweep --collective ag --world 2 --min-mib 1 --max-mib 1 --threads ${ARGS[$v]}
+      # shellcheck disable=SC2086
+      row "$v rs 1 MiB W=2" "${BIN[$v]}" sweep --collective rs --world 2 --min-mib 1 --max-mib 1 --threads ${ARGS[$v]}
     done
   done
   for v in before after; do
     # shellcheck disable=SC2086
     for w in 2 8; do
-      [[ $w == 8 ]] && row "$v ag 1 MiB W=8" "${BIN[$v]}" sweep --collective ag --world 8 --min-mib 1 --max-mib 1 --threads ${AG_ARGS[$v]}
-      row "$v ag 4 MiB W=$w" "${BIN[$v]}" sweep --collective ag --world "$w" --min-mib 4 --max-mib 4 --threads ${AG_ARGS[$v]}
+      if [[ $w == 8 ]]; then
+        for c in ag rs; do
+          row "$v $c 1 MiB W=8" "${BIN[$v]}" sweep --collective $c --world 8 --min-mib 1 --max-mib 1 --threads ${ARGS[$v]}
+        done
+      fi
+      row "$v ag 4 MiB W=$w" "${BIN[$v]}" sweep --collective ag --world "$w" --min-mib 4 --max-mib 4 --threads ${ARGS[$v]}
     done
     for b in small experts; do
       # shellcheck disable=SC2086
-      row "$v ag $b W=2" "${BIN[$v]}" bucket --bucket "$b" --collective ag --world 2 --threads ${AG_ARGS[$v]}
+      row "$v ag $b W=2" "${BIN[$v]}" bucket --bucket "$b" --collective ag --world 2 --threads ${ARGS[$v]}
     done
   done
 } | sort -s -t: -k1,1

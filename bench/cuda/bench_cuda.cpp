@@ -38,8 +38,8 @@
 // context, instead of processes, whose contexts the GPU time-slices: every hand-off between
 // ranks can then wait for a time slice), --prefixes (sweep/bucket: also every prefix of the
 // program, its first k steps run back to back, so each step's share of a run's time shows:
-// the chain of a small collective), --delivery default|push|cast_to_peers (sweep/bucket AG on one
-// node: how shards reach the peers, plan.hpp's Delivery; default: default_delivery(layout)).
+// the chain of a small collective), --delivery default|push|cast_to_peers (sweep/bucket on one node:
+// how a rank's bytes reach the peers, plan.hpp's Delivery; default: default_delivery(layout)).
 //
 // Times: per rank, CUDA events around each of N back-to-back runs; the median per rank; the slowest
 // rank's median reported. algbw = bytes / time, busbw = algbw * (W-1)/W (nccl-tests). SM time =

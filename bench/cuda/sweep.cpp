@@ -88,7 +88,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
                                                                  : default_delivery(layout);
     const Program program = collective == Collective::kAllGather
                                 ? plan_all_gather(layout, rank, 1, net, delivery)
-                                : plan_reduce_scatter(layout, rank, options, 2, net);
+                                : plan_reduce_scatter(layout, rank, options, 2, net, delivery);
     // Memory before the window, whose creation ends in a barrier: with ranks as threads,
     // cudaMalloc/cudaFree may wait for the whole device while a peer's stream waits on this rank.
     std::vector<DeviceMemory> inputs, outputs;
@@ -154,7 +154,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       executor.reset_stats();
       executor.run(program, bindings);
       const CudaExecutor::Stats stats = executor.stats();
-      sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us;
+      sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us + stats.handoff_cta_us;
       // No fallback to one cudaMemcpyAsync per copy (a program may have no copies at all: one
       // rank per node has no local peers to push to).
       batched = stats.single_copy_calls == 0;
@@ -207,8 +207,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       r.staging = collective == Collective::kReduceScatter
                       ? double(program.bytes_pushed() + rs_staging_bytes(layout, net))
                       : 0.0;
-      if (collective == Collective::kAllGather && args.nodes == 1)
-        r.label += std::string(" [") + delivery_name(delivery) + "]";
+      if (args.nodes == 1) r.label += std::string(" [") + delivery_name(delivery) + "]";
       if (args.nodes > 1)
         r.label += " [" + std::to_string(topology.nodes) + "x" + std::to_string(topology.local) +
                    " nodes, " + (ipc ? "IPC" : "NCCL") + ", " + std::to_string(args.chunk_mib) +

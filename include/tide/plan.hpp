@@ -152,6 +152,24 @@ struct Step {
   std::variant<CopyBatch, CastOp, SignalOp, WaitOp, ReduceOp, NetSendOp, NetRecvOp> op;
 };
 
+// How a single-node collective hands a rank's bytes to its peers' windows.
+enum class Delivery : uint8_t {
+  // Copy engines move them, no SM does. All-gather: cast the shard into the own block, then push
+  // the block to every peer. Reduce-scatter: push each peer's gradient chunks into its slots. Peer
+  // by peer in staggered order, each behind its own slot-free wait. On a CudaExecutor: per peer a
+  // push call and a flag call, 2W driver calls at W ranks.
+  kPush,
+  // SMs store them. The slot-free handshake with every peer comes first. All-gather: one cast
+  // writes the shard into the own block and into the same block of every peer's window.
+  // Reduce-scatter: the chunks are copied into the peers' slots. Then the data-ready handshake
+  // (and the reduce). A CudaExecutor runs everything after the slot-free handshake as one kernel
+  // (src/executor/cuda/kernels.cuh, the handoff kernel) where its peers' kernels can run beside it:
+  // 2 driver calls at any W, while SMs move the bytes and spin on the peers' flags. For small
+  // buckets.
+  kCastToPeers,
+};
+const char* delivery_name(Delivery delivery);
+
 struct Program {
   Collective collective = Collective::kAllGather;
   int rank = 0;
@@ -160,6 +178,7 @@ struct Program {
   int num_params = 0;
   std::size_t window_bytes = 0;  // the window this program needs, per rank
   std::size_t alignment = 0;     // the window base alignment it needs
+  Delivery delivery = Delivery::kPush;  // how it hands bytes to peers (multi-node: kPush)
   std::vector<Step> steps;
 
   // The 32-bit tag every signal of this program carries: bucket and collective.
@@ -205,20 +224,8 @@ struct ReduceOptions {
   bool accumulate = false; // += into the existing output instead of overwriting it
 };
 
-// How a single-node all-gather delivers a rank's shard into its peers' windows.
-enum class Delivery : uint8_t {
-  // Cast the shard into the own block, then push the block to every peer: copy engines move the
-  // bytes, no SM does. On a CudaExecutor: per peer a push call and a flag call.
-  kPush,
-  // Take the slot-free handshake with every peer first, then one cast writes the shard into the
-  // own block and into the same block of every peer's window (SM stores into peer memory), then
-  // the data-ready handshake. On a CudaExecutor: 3 driver calls at any W (a flag call, the kernel,
-  // a flag call) instead of 2W + 1, but SMs move W x the shard's bytes: for small buckets.
-  kCastToPeers,
-};
-const char* delivery_name(Delivery delivery);
-
-// Buckets whose window holds at most this many bytes are delivered by kCastToPeers by default.
+// Buckets whose window holds at most this many bytes are delivered by kCastToPeers by default
+// (both collectives).
 // Why 2 MiB: a push call costs the host ~5 µs (BENCHMARKS.md, `tide_bench_cuda calls`); SM stores
 // of 2 MiB into peers over NVLink (~400 GB/s out of one GPU) take about as long.
 inline constexpr std::size_t kCastToPeersMaxBytes = std::size_t{2} << 20;
@@ -236,9 +243,11 @@ Delivery default_delivery(const BucketLayout& layout);
 // write every window's block, own and peers' (no pushes).
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket = 0);
 
-// Rank `rank`'s program for the reduce-scatter of `layout`'s gradients: slot-free handshake (peers
-// must be done with the params before their vacated slots take gradient chunks), push chunk q of
-// every gradient into rank q's slot(i, rank), signal data-ready, wait, reduce. Chunk q of a param
+// Rank `rank`'s program for the reduce-scatter of `layout`'s gradients, delivered as
+// default_delivery(layout) says: slot-free handshake (peers must be done with the params before
+// their vacated slots take gradient chunks), push chunk q of every gradient into rank q's
+// slot(i, rank), signal data-ready, wait, reduce (kCastToPeers: every slot-free wait first, then
+// the chunks as one run of copies). Chunk q of a param
 // sharded on a dim > 0 is its block q of the gradient, read in place by a 2-D copy and staged
 // contiguously; the own block is staged in the own slot(i, rank) the same way, so every reduce
 // reads contiguous chunks.
@@ -272,6 +281,8 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
                         const NetOptions& net, Delivery delivery);
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
                             uint32_t bucket, const NetOptions& net);
+Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
+                            uint32_t bucket, const NetOptions& net, Delivery delivery);
 
 // Bytes of reduce-scatter staging per rank beyond the bucket's window (0 on one node, where peers'
 // chunks are staged in vacated slots): a fixed ring of fp32 chunks, independent of W.

@@ -49,12 +49,15 @@ class AllGather {
 
 // TIDE-RS for one bucket on one rank. grads[i]: the full gradient of param i (the window's dtype);
 // outputs[i]: this rank's valid rows of param i (shard_dtype), overwritten or accumulated into.
-// Across nodes the window also holds the fixed fp32 staging ring: use window_bytes().
+// Across nodes the window also holds the fixed fp32 staging ring: use window_bytes(). Delivered as
+// `delivery` says (unset: default_delivery(layout)).
 class ReduceScatter {
  public:
   ReduceScatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
-                uint32_t bucket = 0, const NetOptions& net = {})
-      : program_(plan_reduce_scatter(layout, rank, options, bucket, net)) {}
+                uint32_t bucket = 0, const NetOptions& net = {},
+                std::optional<Delivery> delivery = std::nullopt)
+      : program_(plan_reduce_scatter(layout, rank, options, bucket, net,
+                                     delivery.value_or(default_delivery(layout)))) {}
   const Program& program() const { return program_; }
   std::size_t window_bytes() const { return program_.window_bytes; }
   void run(Executor& executor, std::span<const void* const> grads,

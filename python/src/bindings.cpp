@@ -183,6 +183,7 @@ NB_MODULE(_tide, m) {
       .def_ro("rank", &Program::rank)
       .def_ro("world", &Program::world)
       .def_ro("bucket", &Program::bucket)
+      .def_ro("delivery", &Program::delivery)
       .def_prop_ro("num_steps", [](const Program& p) { return p.steps.size(); })
       .def("bytes_pushed", &Program::bytes_pushed)
       .def("to_string", &Program::to_string)
@@ -202,8 +203,11 @@ NB_MODULE(_tide, m) {
         "layout"_a, "rank"_a, "bucket"_a = 0, "net"_a = NetOptions{}, "delivery"_a = nb::none());
   m.def("plan_reduce_scatter",
         [](const BucketLayout& l, int rank, const ReduceOptions& o, uint32_t bucket,
-           const NetOptions& net) { return plan_reduce_scatter(l, rank, o, bucket, net); },
-        "layout"_a, "rank"_a, "options"_a = ReduceOptions{}, "bucket"_a = 0, "net"_a = NetOptions{});
+           const NetOptions& net, std::optional<Delivery> delivery) {
+          return plan_reduce_scatter(l, rank, o, bucket, net, delivery.value_or(default_delivery(l)));
+        },
+        "layout"_a, "rank"_a, "options"_a = ReduceOptions{}, "bucket"_a = 0, "net"_a = NetOptions{},
+        "delivery"_a = nb::none());
   m.def("verify_programs", &verify_programs, "layout"_a, "programs"_a);
   m.def("default_timeout_ms", [] { return default_timeout().count(); });
 
@@ -284,6 +288,8 @@ NB_MODULE(_tide, m) {
       .def_ro("cast_cta_us", &CudaExecutor::Stats::cast_cta_us)
       .def_ro("reduce_cta_us", &CudaExecutor::Stats::reduce_cta_us)
       .def_ro("network_cta_us", &CudaExecutor::Stats::network_cta_us)
+      .def_ro("handoff_cta_us", &CudaExecutor::Stats::handoff_cta_us)
+      .def_ro("handoff_kernels", &CudaExecutor::Stats::handoff_kernels)
       .def_ro("network_groups", &CudaExecutor::Stats::network_groups)
       .def_ro("copies", &CudaExecutor::Stats::copies)
       .def_ro("copies_2d", &CudaExecutor::Stats::copies_2d)

@@ -116,7 +116,7 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket) {
 
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
                             uint32_t bucket) {
-  return plan_reduce_scatter(layout, rank, options, bucket, NetOptions{});
+  return plan_reduce_scatter(layout, rank, options, bucket, NetOptions{}, default_delivery(layout));
 }
 
 namespace detail {
@@ -139,6 +139,7 @@ void check_reduce_options(const BucketLayout& layout, const ReduceOptions& optio
 Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket,
                                  Delivery delivery) {
   Program program = detail::empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");
+  program.delivery = delivery;
   const auto& params = layout.params();
   const std::vector<int> peers = staggered_peers(rank, layout.world());
   if (delivery == Delivery::kCastToPeers) {
@@ -166,24 +167,40 @@ Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t 
 }
 
 Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
-                                     const ReduceOptions& options, uint32_t bucket) {
+                                     const ReduceOptions& options, uint32_t bucket,
+                                     Delivery delivery) {
   Program program =
       detail::empty_program(Collective::kReduceScatter, layout, rank, bucket, "plan_reduce_scatter");
+  program.delivery = delivery;
   check_reduce_options(layout, options);
   const auto& params = layout.params();
   const std::vector<int> peers = staggered_peers(rank, layout.world());
-  add_slot_free_signals(program, peers);
-  CopyBatch own;
-  for (std::size_t i = 0; i < params.size(); ++i)
-    if (params[i].shard_dim > 0) own.copies.push_back(chunk_push(params[i], static_cast<int>(i), rank, rank));
-  if (!own.copies.empty()) program.steps.push_back({Phase::kPush, std::move(own)});
-  add_pushes(program, peers, [&](int q) {
+  const auto chunks_for = [&](int q) {
     CopyBatch batch;
     for (std::size_t i = 0; i < params.size(); ++i)
       if (params[i].valid_numel(q) > 0)
         batch.copies.push_back(chunk_push(params[i], static_cast<int>(i), q, rank));
     return batch;
-  });
+  };
+  add_slot_free_signals(program, peers);
+  if (delivery == Delivery::kCastToPeers)  // every slot-free wait first: one run of copies follows
+    for (int q : peers) program.steps.push_back({Phase::kSlotFree, WaitOp{q, FlagKind::kSlotFree}});
+  CopyBatch own;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (params[i].shard_dim > 0) own.copies.push_back(chunk_push(params[i], static_cast<int>(i), rank, rank));
+  if (!own.copies.empty()) program.steps.push_back({Phase::kPush, std::move(own)});
+  if (delivery == Delivery::kCastToPeers) {
+    for (int q : peers) {
+      CopyBatch batch = chunks_for(q);
+      if (!batch.copies.empty()) program.steps.push_back({Phase::kPush, std::move(batch)});
+    }
+    for (int q : peers)
+      program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
+    for (int q : peers)
+      program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
+  } else {
+    add_pushes(program, peers, chunks_for);
+  }
   const float scale = options.kind == ReduceKind::kAvg
                           ? options.postscale / static_cast<float>(layout.world())
                           : options.postscale;

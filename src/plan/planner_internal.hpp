@@ -35,6 +35,7 @@ int64_t rs_chunk_elems(const BucketLayout& layout, const NetOptions& net);
 Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket,
                                  Delivery delivery);
 Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
-                                     const ReduceOptions& options, uint32_t bucket);
+                                     const ReduceOptions& options, uint32_t bucket,
+                                     Delivery delivery);
 
 }  // namespace tide::detail

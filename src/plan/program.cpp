@@ -41,7 +41,8 @@ std::string Program::to_string() const {
   std::ostringstream os;
   os << "program " << collective_name(collective) << " rank " << rank << "/" << world
      << " bucket " << bucket << ": " << num_params << " params, window " << window_bytes
-     << " B, " << steps.size() << " steps, " << bytes_pushed() << " B pushed\n";
+     << " B, " << steps.size() << " steps, " << bytes_pushed() << " B pushed, delivery "
+     << delivery_name(delivery) << "\n";
   for (const Step& step : steps) {
     os << "  [" << phase_name(step.phase) << "] ";
     std::visit(

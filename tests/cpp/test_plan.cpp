@@ -10,7 +10,7 @@
 namespace tide {
 namespace {
 
-// All-gathers pushed unless `delivery` says otherwise.
+// Pushed unless `delivery` says otherwise.
 std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {},
                               Delivery delivery = Delivery::kPush) {
   std::vector<Program> programs;
@@ -34,8 +34,9 @@ TEST_P(PlanProperty, ThousandRandomBucketsVerify) {
     ReduceOptions o;
     o.kind = n % 2 ? ReduceKind::kAvg : ReduceKind::kSum;
     o.accumulate = n % 3 == 0;
-    ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kReduceScatter, o)))
-        << layout.describe();
+    for (const Delivery delivery : {Delivery::kPush, Delivery::kCastToPeers})
+      ASSERT_NO_THROW(verify_programs(layout, plan_all(layout, Collective::kReduceScatter, o, delivery)))
+          << delivery_name(delivery) << "\n" << layout.describe();
   }
 }
 INSTANTIATE_TEST_SUITE_P(W, PlanProperty, ::testing::Values(1, 2, 3, 4, 5, 8, 64));
@@ -113,6 +114,37 @@ TEST(Plan, DefaultDeliveryCastsSmallSingleNodeBucketsToPeers) {
   std::vector<Program> mixed = plan_all(layout, Collective::kAllGather);
   mixed[1] = plan_all_gather(layout, 1, 5, NetOptions{}, Delivery::kCastToPeers);
   EXPECT_NO_THROW(verify_programs(layout, mixed));
+  std::vector<Program> mixed_rs = plan_all(layout, Collective::kReduceScatter);
+  mixed_rs[2] = plan_reduce_scatter(layout, 2, {}, 5, NetOptions{}, Delivery::kCastToPeers);
+  EXPECT_NO_THROW(verify_programs(layout, mixed_rs));
+  try {
+    plan_reduce_scatter(nodes, 0, {}, 1, NetOptions{}, Delivery::kCastToPeers);
+    ADD_FAILURE() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("delivery = cast_to_peers, expected push with 2 nodes"),
+              std::string::npos) << e.what();
+  }
+}
+
+// Delivery::kCastToPeers for the reduce-scatter: every slot-free wait before the first chunk
+// copy, the copies as one run (no flag step between them: the CUDA executor's handoff kernel
+// takes them with the signals, waits and reduces after them), the same bytes as with kPush.
+TEST(Plan, ReduceScatterCastToPeersTakesTheHandshakeBeforeOneRunOfCopies) {
+  BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(4));
+  const Program push = plan_reduce_scatter(layout, 1, {}, 9, NetOptions{}, Delivery::kPush);
+  const Program cast = plan_reduce_scatter(layout, 1, {}, 9, NetOptions{}, Delivery::kCastToPeers);
+  EXPECT_EQ(cast.delivery, Delivery::kCastToPeers);
+  EXPECT_EQ(cast.bytes_pushed(), push.bytes_pushed());
+  EXPECT_EQ(cast.steps.size(), push.steps.size());
+  std::vector<std::string> kinds;  // S signal, W wait, C copies, R reduce
+  for (const Step& s : cast.steps)
+    kinds.push_back(std::holds_alternative<SignalOp>(s.op) ? "S" : std::holds_alternative<WaitOp>(s.op) ? "W"
+                    : std::holds_alternative<CopyBatch>(s.op) ? "C" : "R");
+  std::string shape;
+  for (const std::string& k : kinds) shape += k;
+  EXPECT_EQ(shape, "SSSWWWCCCSSSWWWRR") << cast.to_string();
+  EXPECT_EQ(plan_reduce_scatter(layout, 1, {}).delivery, Delivery::kCastToPeers)
+      << "the default for a small single-node bucket";
 }
 
 TEST(Plan, ReduceScatterReadsOwnChunkInPlaceAndPeersFromVacatedSlots) {

@@ -185,10 +185,9 @@ struct RankBuffers {
 // All-gathers delivered as `delivery` says (unset: default_delivery(layout)).
 inline Program plan_for(Collective c, const BucketLayout& layout, int rank, uint32_t bucket,
                         const ReduceOptions& o = {}, std::optional<Delivery> delivery = {}) {
-  return c == Collective::kAllGather
-             ? plan_all_gather(layout, rank, bucket, NetOptions{},
-                               delivery.value_or(default_delivery(layout)))
-             : plan_reduce_scatter(layout, rank, o, bucket);
+  const Delivery d = delivery.value_or(default_delivery(layout));
+  return c == Collective::kAllGather ? plan_all_gather(layout, rank, bucket, NetOptions{}, d)
+                                     : plan_reduce_scatter(layout, rank, o, bucket, NetOptions{}, d);
 }
 
 // "" if rank's result of collective c (seed, options o) is right: all-gather bitwise in `window`,

@@ -128,7 +128,7 @@ struct Scenario {
   NetOptions net = {};
   CudaMemory memory = CudaMemory::kMalloc;  // of the CUDA windows
   CudaReach reach = CudaReach::kNode;       // kHost: virtual nodes, network over CUDA IPC
-  std::optional<Delivery> delivery = std::nullopt;  // all-gathers; unset: default_delivery(layout)
+  std::optional<Delivery> delivery = std::nullopt;  // both collectives; unset: default_delivery(layout)
 
   Topology topology() const { return Topology{nodes, world / nodes}; }
   BucketLayout layout() const { return BucketLayout(specs, topology()); }
@@ -157,9 +157,10 @@ inline RankData make_rank_data(const BucketLayout& layout, const Invocation& inv
 }
 
 inline Program plan(const Scenario& s, const BucketLayout& layout, const Invocation& inv, int rank) {
+  const Delivery delivery = s.delivery.value_or(default_delivery(layout));
   if (inv.collective == Collective::kReduceScatter)
-    return plan_reduce_scatter(layout, rank, inv.options, inv.bucket, s.net);
-  return plan_all_gather(layout, rank, inv.bucket, s.net, s.delivery.value_or(default_delivery(layout)));
+    return plan_reduce_scatter(layout, rank, inv.options, inv.bucket, s.net, delivery);
+  return plan_all_gather(layout, rank, inv.bucket, s.net, delivery);
 }
 
 // The window every invocation of the scenario fits in (multi-node reduce-scatters add staging).

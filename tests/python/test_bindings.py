@@ -65,18 +65,30 @@ def test_plans_print_and_verify():
     assert "+= into out[0]+0" in rs.to_string()
 
 
-def test_all_gather_deliveries():
+def test_deliveries():
     layout = tide.BucketLayout([tide.ParamSpec("w", [7, 2])], tide.Topology(1, 3))
     assert tide.default_delivery(layout) == tide.Delivery.cast_to_peers  # a small bucket
     for delivery in (tide.Delivery.push, tide.Delivery.cast_to_peers):
         tide.verify_programs(layout, [tide.plan_all_gather(layout, r, delivery=delivery) for r in range(3)])
+        tide.verify_programs(layout, [tide.plan_reduce_scatter(layout, r, delivery=delivery)
+                                      for r in range(3)])
     assert tide.plan_all_gather(layout, 0, delivery=tide.Delivery.push).bytes_pushed() > 0
     default = tide.plan_all_gather(layout, 0)
+    assert default.delivery == tide.Delivery.cast_to_peers
     assert default.bytes_pushed() == 0 and "[push] cast in[0]+0 -> win[1]" in default.to_string()
+    # The reduce-scatter's chunks are copies either way; cast_to_peers takes every slot-free wait
+    # before them.
+    rs = tide.plan_reduce_scatter(layout, 0)
+    assert rs.delivery == tide.Delivery.cast_to_peers and "delivery cast_to_peers" in str(rs)
+    steps = str(rs).splitlines()[1:]
+    first_push = next(i for i, s in enumerate(steps) if s.lstrip().startswith("[push]"))
+    assert sum("wait slot_free" in s for s in steps[:first_push]) == 2, str(rs)
     nodes = tide.BucketLayout([tide.ParamSpec("w", [8, 2])], tide.Topology(2, 2))
     assert tide.default_delivery(nodes) == tide.Delivery.push
     with pytest.raises(ValueError, match="delivery = cast_to_peers, expected push with 2 nodes"):
         tide.plan_all_gather(nodes, 0, delivery=tide.Delivery.cast_to_peers)
+    with pytest.raises(ValueError, match="delivery = cast_to_peers, expected push with 2 nodes"):
+        tide.plan_reduce_scatter(nodes, 0, delivery=tide.Delivery.cast_to_peers)
 
 
 @pytest.mark.parametrize("make, fragment", [
