@@ -98,6 +98,8 @@ class CudaWindow {
   // or on another GPU. Not for a peer process on this rank's GPU: contexts time-slice there, and
   // a spinning kernel would hold the GPU for its slice.
   bool peers_run_beside_own() const { return peers_run_beside_own_; }
+  // Ranks of this window on this rank's GPU, this one included (1 with one GPU per rank).
+  int ranks_on_gpu() const { return ranks_on_gpu_; }
   // Host-side numbering of the IPC network's transfers on this window (1-based, never reset, like
   // epochs): the next send to / receive from `peer` on `channel`.
   uint64_t next_net_send(int channel, int peer) { return ++net_sent_[channel * world_ + peer]; }
@@ -128,6 +130,7 @@ class CudaWindow {
   std::size_t mailbox_offset_ = 0;
   std::size_t arrivals_offset_ = 0;
   bool peers_run_beside_own_ = true;
+  int ranks_on_gpu_ = 1;
   std::vector<Peer> peers_;
   std::vector<uint64_t> net_sent_, net_received_;
   uint64_t epoch_ = 0;

@@ -247,7 +247,10 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
       throw InvalidArgument(detail::concat(where, ": rank ", r, " sent a malformed handle '",
                                            all[r], "', expected '<bytes> <token> <device> "
                                            "<pci bus id> <pointer> <kind> <handle>'"));
-    if (token != process_token() && gpu == peer_gpu) window->peers_run_beside_own_ = false;
+    if (gpu == peer_gpu) {
+      ++window->ranks_on_gpu_;
+      if (token != process_token()) window->peers_run_beside_own_ = false;
+    }
     TIDE_CHECK_ARG(theirs == data_bytes, where, detail::concat("data_bytes of rank ", r), theirs,
                    detail::concat(data_bytes, " (rank ", rank, "'s)"));
     TIDE_CHECK_ARG(kind == (vmm ? 1 : 0), where, detail::concat("memory kind of rank ", r),

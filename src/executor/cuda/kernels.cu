@@ -309,6 +309,7 @@ struct HandoffTable {
   unsigned int* arrivals;
   uint64_t* reached;
   uint64_t* passed;
+  const uint64_t* released;
   uint64_t* signals[kHandoffPeers];
   const uint64_t* waits[kHandoffPeers];
   CastTask casts[kHandoffCasts];
@@ -352,8 +353,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) handoff_kernel(const __grid
     copy_tile(task, begin, min(begin + kCopyTileBytes, task.total));
   }
   if (table.num_signals > 0) {
-    __threadfence_system();  // this thread's stores, peers' windows included, before the signal
+    // The CTA's stores, peers' windows included, before its arrival: the barrier, then one
+    // system-wide fence by the thread that arrives (cumulative over the barrier, as a grid sync).
     __syncthreads();
+    if (threadIdx.x == 0) __threadfence_system();
     if (threadIdx.x == 0 && atomicAdd(table.arrivals, 1u) + 1 == gridDim.x) {
       // The last CTA: every other CTA fenced before it arrived. The next launch on this window
       // comes after this one (one collective at a time per window), so it finds 0.
@@ -368,10 +371,18 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) handoff_kernel(const __grid
   if (table.num_waits > 0) {
     if (threadIdx.x == 0) {
       if (blockIdx.x == 0) store_release_system(table.reached, table.wait_id);
-      for (int k = 0; k < table.num_waits; ++k) {
+      bool released = false;
+      for (int k = 0; k < table.num_waits && !released; ++k) {
         unsigned int backoff = 32;
-        while (static_cast<int64_t>(load_acquire_system(table.waits[k]) - table.epoch) < 0 ||
-               *reinterpret_cast<const volatile uint64_t*>(table.waits[k] + 1) != table.tag) {
+        for (unsigned int spin = 1;
+             static_cast<int64_t>(load_acquire_system(table.waits[k]) - table.epoch) < 0 ||
+             *reinterpret_cast<const volatile uint64_t*>(table.waits[k] + 1) != table.tag;
+             ++spin) {
+          // The watchdog's release, in host memory: a read across PCIe, so not every time.
+          if (spin % 64 == 0 && load_acquire_system(table.released) >= table.wait_id) {
+            released = true;
+            break;
+          }
           __nanosleep(backoff);
           backoff = min(backoff * 2, 256u);
         }
@@ -537,20 +548,19 @@ int ctas_per_sm() {
   return value;
 }
 
-int default_max_ctas() {
+int sm_count() {
   static std::mutex mutex;
   static std::vector<int> per_device;
   int device = 0;
   TIDE_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
   if (static_cast<int>(per_device.size()) <= device) per_device.resize(device + 1, 0);
-  if (per_device[device] == 0) {
-    int sms = 0;
-    TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    per_device[device] = ctas_per_sm() * sms;
-  }
+  if (per_device[device] == 0)
+    TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&per_device[device], cudaDevAttrMultiProcessorCount, device));
   return per_device[device];
 }
+
+int default_max_ctas() { return ctas_per_sm() * sm_count(); }
 
 LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ctas,
                         cudaStream_t stream) {
@@ -637,8 +647,8 @@ LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream) {
                                 " reduces, ", kHandoffSources, " sources in all"));
   TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_handoff", "arrivals", "null",
                  "the window's CTA counter when the kernel signals");
-  TIDE_CHECK_ARG(spec.num_waits == 0 || (spec.reached && spec.passed), "launch_handoff", "marks",
-                 "null", "the watchdog's marks when the kernel waits");
+  TIDE_CHECK_ARG(spec.num_waits == 0 || (spec.reached && spec.passed && spec.released),
+                 "launch_handoff", "marks", "null", "the watchdog's marks when the kernel waits");
   HandoffTable table{};
   for (std::size_t i = 0; i < spec.num_casts; ++i) {
     const CastSpec& c = spec.casts[i];
@@ -681,8 +691,13 @@ LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream) {
   table.arrivals = spec.arrivals;
   table.reached = spec.reached;
   table.passed = spec.passed;
+  table.released = spec.released;
+  // One CTA per SM and rank on this GPU: with the handoffs of an all-gather and a reduce-scatter
+  // in flight on each, the spinning CTAs fill at most half of the 4 per SM that every SM holds
+  // (__launch_bounds__), so no CTA of a handoff waits for a slot that only a spinning one frees.
+  const int64_t cap = std::max(1, sm_count() / std::max(1, spec.ranks_on_gpu));
   const int64_t tiles = std::max({table.cast_tiles, table.copy_tiles, table.reduce_tiles, int64_t{1}});
-  const int grid = static_cast<int>(std::min<int64_t>(tiles, kHandoffMaxCtas));
+  const int grid = static_cast<int>(std::min(tiles, cap));
   handoff_kernel<<<grid, kThreadsPerCta, 0, stream>>>(table);
   check_launch("handoff_kernel<<<>>>");
   return {1, grid};

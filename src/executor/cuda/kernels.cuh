@@ -62,6 +62,7 @@ inline constexpr int kMaxSources = 3072;  // ranks a reduce can sum (one launch'
 // The grid cap used when max_ctas <= 0: CTAs per SM (2, or TIDE_CUDA_CTAS_PER_SM) x SMs of the
 // current device (reduces; casts use twice as many).
 int default_max_ctas();
+int sm_count();  // of the current device
 
 // Loads every kernel of this file into the current context now. With CUDA's lazy module loading
 // (the default) a kernel's first launch loads its module, and loading waits for the whole
@@ -105,14 +106,13 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
 //            them;
 //   waits    each CTA's first thread spins (acquire loads, with backoff) until epoch >= e (signed
 //            difference, as cuStreamWaitValue64's GEQ) and tag == t, writing the watchdog's marks
-//            (wait_marks.hpp) around: the watchdog diagnoses and releases a stuck one exactly as
-//            it does a stream wait (it writes the awaited values into the own flags, which the
-//            spinning CTAs then read);
+//            (wait_marks.hpp) around: the watchdog diagnoses a stuck one exactly as it does a
+//            stream wait, and releases it through the third mark (`released`), which the spinning
+//            CTAs also read;
 //   reduces  after the waits, so the peers' chunks in the own window are visible.
-// The CTAs that spin hold SMs while they wait, so this is for small buckets only, at most
-// kHandoffMaxCtas CTAs, and only where every peer's kernels can run while this one waits (ranks
-// that are threads of this process, or on other GPUs: CudaWindow::peers_run_beside_own()).
-inline constexpr int kHandoffMaxCtas = 16;
+// The CTAs that spin hold SMs while they wait, so this is for small buckets only, at most one CTA
+// per SM and rank on the GPU, and only where every peer's kernels can run while this one waits
+// (ranks that are threads of this process, or on other GPUs: CudaWindow::peers_run_beside_own()).
 inline constexpr int kHandoffCasts = 32;
 inline constexpr int kHandoffCopies = 32;
 inline constexpr int kHandoffReduces = 16;
@@ -141,7 +141,9 @@ struct HandoffSpec {
   unsigned int* arrivals = nullptr;  // the window's CTA counter: 0 between launches
   uint64_t* reached = nullptr;       // the watchdog's marks (device addresses of host memory)
   uint64_t* passed = nullptr;
+  const uint64_t* released = nullptr;
   uint64_t wait_id = 0;
+  int ranks_on_gpu = 1;                 // ranks whose handoffs share this GPU (the grid's share)
   const ReduceSpec* reduces = nullptr;  // none writing what another reads or writes
   std::size_t num_reduces = 0;
   int num_sources = 0;

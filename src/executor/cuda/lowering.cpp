@@ -182,6 +182,7 @@ void CudaExecutor::Impl::enqueue_handoff(const std::vector<Step>& steps, std::si
   cuda_kernels::HandoffSpec spec;
   spec.epoch = epoch, spec.tag = tag;
   spec.arrivals = window.arrivals();
+  spec.ranks_on_gpu = window.ranks_on_gpu();
   std::optional<PendingWait> record;
   for (std::size_t i = first; i < steps.size(); ++i) {
     const Step& step = steps[i];
@@ -226,6 +227,7 @@ void CudaExecutor::Impl::enqueue_handoff(const std::vector<Step>& steps, std::si
   if (record) {
     spec.reached = reinterpret_cast<uint64_t*>(marks->reached_address(record->slot));
     spec.passed = reinterpret_cast<uint64_t*>(marks->passed_address(record->slot));
+    spec.released = reinterpret_cast<const uint64_t*>(marks->released_address(record->slot));
     spec.wait_id = record->id;
   }
   launch_timed(KernelKind::kHandoff, stream, [&] { return cuda_kernels::launch_handoff(spec, stream); });
