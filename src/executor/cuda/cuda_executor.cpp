@@ -215,10 +215,9 @@ void CudaExecutor::Impl::collect_timings() {
   for (const KernelTiming& t : timings) {
     float ms = 0;
     TIDE_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.end));
-    double& cta_us = t.kind == KernelKind::kCast      ? stats.cast_cta_us
-                     : t.kind == KernelKind::kReduce  ? stats.reduce_cta_us
-                     : t.kind == KernelKind::kHandoff ? stats.handoff_cta_us
-                                                      : stats.network_cta_us;
+    double& cta_us = t.kind == KernelKind::kCast     ? stats.cast_cta_us
+                     : t.kind == KernelKind::kReduce ? stats.reduce_cta_us
+                                                     : stats.network_cta_us;
     cta_us += 1000.0 * ms * t.ctas;
     (void)cudaEventDestroy(t.start);
     (void)cudaEventDestroy(t.end);

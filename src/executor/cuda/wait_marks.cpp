@@ -46,7 +46,7 @@ WaitMarks::WaitMarks() : host_(nullptr), device_(0) {
     TIDE_CUDA_CHECK(cudaHostAlloc(&p, kSlots * sizeof(StreamMarks),
                                   cudaHostAllocMapped | cudaHostAllocPortable));
     host_ = static_cast<StreamMarks*>(p);
-    for (int i = 0; i < kSlots; ++i) host_[i] = StreamMarks{0, 0, 0};
+    for (int i = 0; i < kSlots; ++i) host_[i] = StreamMarks{0, 0};
   }
   void* device = nullptr;
   const cudaError_t status = cudaHostGetDevicePointer(&device, host_, 0);
@@ -86,10 +86,6 @@ CUdeviceptr WaitMarks::reached_address(int slot) const {
 
 CUdeviceptr WaitMarks::passed_address(int slot) const {
   return device_ + slot * sizeof(StreamMarks) + offsetof(StreamMarks, passed);
-}
-
-CUdeviceptr WaitMarks::released_address(int slot) const {
-  return device_ + slot * sizeof(StreamMarks) + offsetof(StreamMarks, released);
 }
 
 }  // namespace tide::cuda_executor_detail

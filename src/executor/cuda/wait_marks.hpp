@@ -1,13 +1,8 @@
 // Where each stream of an executor has got to, for the watchdog, without a driver call: per stream
 // two words in mapped pinned host memory that the stream itself writes around every watched wait,
 // in the same cuStreamBatchMemOp as the waits:
-//   reached  = id of the last watched wait the stream arrived at (the watchdog's clock starts),
-//   passed   = id of the last one it got past (the watchdog retires it),
-// and a third that the watchdog writes and a handoff kernel's waits read (kernels.cuh):
-//   released = id of the last wait the watchdog released. A stream wait is released through its
-//              flags (a copy into device memory); a kernel that spins has to be told directly,
-//              because that copy did not complete while the kernel ran (seen on an H200: the
-//              watchdog's cudaMemcpyAsync from pageable memory waited for it).
+//   reached = id of the last watched wait the stream arrived at (the watchdog's clock starts),
+//   passed  = id of the last one it got past (the watchdog retires it).
 // Wait ids come from one process-wide counter, so they only grow: a slot handed to another stream
 // (once its waits are all retired), or a block another executor used (once its streams drained;
 // else it is abandoned), holds only smaller ids than any wait watched later.
@@ -27,7 +22,6 @@ namespace tide::cuda_executor_detail {
 struct StreamMarks {
   uint64_t reached;
   uint64_t passed;
-  uint64_t released;
 };
 
 class WaitMarks {
@@ -54,12 +48,6 @@ class WaitMarks {
   // Device addresses for the stream's writes.
   CUdeviceptr reached_address(int slot) const;
   CUdeviceptr passed_address(int slot) const;
-  CUdeviceptr released_address(int slot) const;
-  // The watchdog: every wait of the slot's stream up to `id` is released (ids only grow).
-  void release(int slot, uint64_t id) {
-    if (id > __atomic_load_n(&host_[slot].released, __ATOMIC_ACQUIRE))
-      __atomic_store_n(&host_[slot].released, id, __ATOMIC_RELEASE);
-  }
   // What the stream has written (any thread).
   uint64_t reached(int slot) const { return __atomic_load_n(&host_[slot].reached, __ATOMIC_ACQUIRE); }
   uint64_t passed(int slot) const { return __atomic_load_n(&host_[slot].passed, __ATOMIC_ACQUIRE); }

@@ -62,7 +62,6 @@ std::exception_ptr CudaExecutor::Impl::diagnose_flag_wait(const PendingWait& w) 
 }
 
 void CudaExecutor::Impl::release_flag_wait(const PendingWait& w) {
-  marks->release(w.slot, w.id);  // a handoff kernel's waits first: the copies below wait for it
   for (const AwaitedFlag& f : w.flags) write_flags(f.flag, 1, w.tag);
 }
 
@@ -109,8 +108,6 @@ void CudaExecutor::Impl::watchdog_loop() {
           store_error(stuck);
           // Release every own flag at once (this program's remaining waits pass quickly);
           // waits of later programs, or flags a live peer overwrites, are released one by one.
-          // A handoff kernel spinning on them is told first (wait_marks.hpp).
-          if (w.kind == PendingWait::Kind::kFlag) marks->release(w.slot, w.id);
           write_flags(window.flags(window.rank()), kNumFlagKinds * window.world(), w.tag);
           draining = true;
         }
