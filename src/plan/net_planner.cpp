@@ -116,13 +116,8 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
                         const NetOptions& net, Delivery delivery) {
   const Topology& t = layout.topology();
-  TIDE_CHECK_ARG(delivery == Delivery::kPush || delivery == Delivery::kCastToPeers,
-                 "plan_all_gather", "delivery", static_cast<int>(delivery),
-                 "Delivery::kPush or Delivery::kCastToPeers");
+  detail::check_delivery(layout, delivery, "plan_all_gather");
   if (t.nodes <= 1) return detail::plan_all_gather_one_node(layout, rank, bucket, delivery);
-  TIDE_CHECK_ARG(delivery == Delivery::kPush, "plan_all_gather", "delivery",
-                 delivery_name(delivery),
-                 detail::concat("push with ", t.nodes, " nodes (multi-node plans push)"));
   check_net(net, "plan_all_gather");
   detail::check_dim0_sharding(layout, "plan_all_gather");
   Program program = detail::empty_program(Collective::kAllGather, layout, rank, bucket, "plan_all_gather");

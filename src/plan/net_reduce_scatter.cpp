@@ -256,14 +256,9 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
                             uint32_t bucket, const NetOptions& net, Delivery delivery) {
   const Topology& t = layout.topology();
-  TIDE_CHECK_ARG(delivery == Delivery::kPush || delivery == Delivery::kCastToPeers,
-                 "plan_reduce_scatter", "delivery", static_cast<int>(delivery),
-                 "Delivery::kPush or Delivery::kCastToPeers");
+  detail::check_delivery(layout, delivery, "plan_reduce_scatter");
   if (t.nodes <= 1)
     return detail::plan_reduce_scatter_one_node(layout, rank, options, bucket, delivery);
-  TIDE_CHECK_ARG(delivery == Delivery::kPush, "plan_reduce_scatter", "delivery",
-                 delivery_name(delivery),
-                 detail::concat("push with ", t.nodes, " nodes (multi-node plans push)"));
   detail::check_net(net, "plan_reduce_scatter");
   detail::check_dim0_sharding(layout, "plan_reduce_scatter");
   detail::check_reduce_options(layout, options);

@@ -53,6 +53,15 @@ Delivery default_delivery(const BucketLayout& layout) {
              : Delivery::kPush;
 }
 
+void detail::check_delivery(const BucketLayout& layout, Delivery delivery, const char* where) {
+  TIDE_CHECK_ARG(delivery == Delivery::kPush || delivery == Delivery::kCastToPeers, where,
+                 "delivery", static_cast<int>(delivery), "Delivery::kPush or Delivery::kCastToPeers");
+  const int nodes = layout.topology().nodes;
+  TIDE_CHECK_ARG(nodes <= 1 || delivery == Delivery::kPush, where, "delivery",
+                 delivery_name(delivery),
+                 detail::concat("push with ", nodes, " nodes (multi-node plans push)"));
+}
+
 void detail::check_dim0_sharding(const BucketLayout& layout, const char* where) {
   for (const ParamLayout& p : layout.params())
     TIDE_CHECK_ARG(p.shard_dim == 0, where, detail::concat("param '", p.name, "' shard_dim"),
@@ -76,6 +85,18 @@ std::vector<int> staggered_peers(int rank, int world) {
 
 void add_slot_free_signals(Program& program, const std::vector<int>& peers) {
   for (int q : peers) program.steps.push_back({Phase::kSlotFree, SignalOp{q, FlagKind::kSlotFree}});
+}
+
+// Delivery::kCastToPeers: the whole slot-free handshake before any byte moves, and the whole
+// data-ready handshake after the last.
+void add_slot_free_handshake(Program& program, const std::vector<int>& peers) {
+  add_slot_free_signals(program, peers);
+  for (int q : peers) program.steps.push_back({Phase::kSlotFree, WaitOp{q, FlagKind::kSlotFree}});
+}
+
+void add_data_ready_handshake(Program& program, const std::vector<int>& peers) {
+  for (int q : peers) program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
+  for (int q : peers) program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
 }
 
 // For each peer: wait until its window is free, push the batch, tell it the data is there.
@@ -144,16 +165,12 @@ Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t 
   const std::vector<int> peers = staggered_peers(rank, layout.world());
   if (delivery == Delivery::kCastToPeers) {
     // Every peer's slot-free first: the casts into its window follow, all in one kernel.
-    add_slot_free_signals(program, peers);
-    for (int q : peers) program.steps.push_back({Phase::kSlotFree, WaitOp{q, FlagKind::kSlotFree}});
+    add_slot_free_handshake(program, peers);
     add_cast_in(program, layout);
     for (int q : peers)
       for (std::size_t i = 0; i < params.size(); ++i)
         program.steps.push_back({Phase::kPush, shard_cast(params[i], static_cast<int>(i), rank, q)});
-    for (int q : peers)
-      program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
-    for (int q : peers)
-      program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
+    add_data_ready_handshake(program, peers);
     return program;
   }
   add_cast_in(program, layout);
@@ -182,22 +199,21 @@ Program plan_reduce_scatter_one_node(const BucketLayout& layout, int rank,
         batch.copies.push_back(chunk_push(params[i], static_cast<int>(i), q, rank));
     return batch;
   };
-  add_slot_free_signals(program, peers);
-  if (delivery == Delivery::kCastToPeers)  // every slot-free wait first: one run of copies follows
-    for (int q : peers) program.steps.push_back({Phase::kSlotFree, WaitOp{q, FlagKind::kSlotFree}});
+  const bool handshake_first = delivery == Delivery::kCastToPeers;  // then one run of copies
+  if (handshake_first)
+    add_slot_free_handshake(program, peers);
+  else
+    add_slot_free_signals(program, peers);
   CopyBatch own;
   for (std::size_t i = 0; i < params.size(); ++i)
     if (params[i].shard_dim > 0) own.copies.push_back(chunk_push(params[i], static_cast<int>(i), rank, rank));
   if (!own.copies.empty()) program.steps.push_back({Phase::kPush, std::move(own)});
-  if (delivery == Delivery::kCastToPeers) {
+  if (handshake_first) {
     for (int q : peers) {
       CopyBatch batch = chunks_for(q);
       if (!batch.copies.empty()) program.steps.push_back({Phase::kPush, std::move(batch)});
     }
-    for (int q : peers)
-      program.steps.push_back({Phase::kDataReady, SignalOp{q, FlagKind::kDataReady}});
-    for (int q : peers)
-      program.steps.push_back({Phase::kDataReady, WaitOp{q, FlagKind::kDataReady}});
+    add_data_ready_handshake(program, peers);
   } else {
     add_pushes(program, peers, chunks_for);
   }

@@ -25,6 +25,9 @@ Program empty_program(Collective collective, const BucketLayout& layout, int ran
 CastOp shard_cast(const ParamLayout& p, int i, int rank, int window);
 // The all-gather's first steps: every param's input shard cast into the own block, zero padded.
 void add_cast_in(Program& program, const BucketLayout& layout);
+// `delivery` is a Delivery, and kPush when the layout spans several nodes (multi-node plans
+// push): InvalidArgument otherwise.
+void check_delivery(const BucketLayout& layout, Delivery delivery, const char* where);
 // Multi-node plans shard on dim 0 only: InvalidArgument naming the first param that does not.
 void check_dim0_sharding(const BucketLayout& layout, const char* where);
 // Local peers of `rank` on its node, staggered (local + 1, local + 2, ...).
