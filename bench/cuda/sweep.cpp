@@ -154,7 +154,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       executor.reset_stats();
       executor.run(program, bindings);
       const CudaExecutor::Stats stats = executor.stats();
-      sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us;
+      sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us + stats.handoff_cta_us;
       // No fallback to one cudaMemcpyAsync per copy (a program may have no copies at all: one
       // rank per node has no local peers to push to).
       batched = stats.single_copy_calls == 0;

@@ -90,6 +90,16 @@ class CudaWindow {
   // `taken` counts rank's sends that peer has received. So every wait is on the waiter's own
   // memory, where the watchdog can release it.
   NetOutbox* mailbox(int rank, int channel, int peer) const;
+  // This rank's CTA counter for the executor's handoff kernel (src/executor/cuda/kernels.cuh),
+  // zero at creation, a device pointer into the own window's control words.
+  unsigned int* arrivals() const;
+  // Whether every mapped peer's kernels can run while one of this rank's kernels spins on a flag:
+  // the peer is a thread of this process (one context: kernels of its streams run side by side)
+  // or on another GPU. Not for a peer process on this rank's GPU: contexts time-slice there, and
+  // a spinning kernel would hold the GPU for its slice.
+  bool peers_run_beside_own() const { return peers_run_beside_own_; }
+  // Ranks of this window on this rank's GPU, this one included (1 with one GPU per rank).
+  int ranks_on_gpu() const { return ranks_on_gpu_; }
   // Host-side numbering of the IPC network's transfers on this window (1-based, never reset, like
   // epochs): the next send to / receive from `peer` on `channel`.
   uint64_t next_net_send(int channel, int peer) { return ++net_sent_[channel * world_ + peer]; }
@@ -118,6 +128,9 @@ class CudaWindow {
   std::size_t data_bytes_ = 0;
   std::size_t flag_offset_ = 0;
   std::size_t mailbox_offset_ = 0;
+  std::size_t arrivals_offset_ = 0;
+  bool peers_run_beside_own_ = true;
+  int ranks_on_gpu_ = 1;
   std::vector<Peer> peers_;
   std::vector<uint64_t> net_sent_, net_received_;
   uint64_t epoch_ = 0;
@@ -211,6 +224,7 @@ class CudaExecutor final : public Executor {
     double cast_cta_us = 0;    // CTA-microseconds of cast kernels
     double reduce_cta_us = 0;  // CTA-microseconds of reduce kernels
     double network_cta_us = 0; // CTA-microseconds of the IPC network's pull kernels
+    double handoff_cta_us = 0; // CTA-microseconds of handoff kernels (their waits included)
     int copies = 0;            // copy-engine copies enqueued
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
     int copies_2d = 0;           // cudaMemcpy2DAsync calls (blocks of params sharded on a dim > 0,
@@ -219,6 +233,8 @@ class CudaExecutor final : public Executor {
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
     int mem_op_calls = 0;        // cuStreamBatchMemOp calls of the programs' signals and waits
+    int handoff_kernels = 0;     // handoff kernels (also in kernel_launches): a kCastToPeers
+                                 // program's stores, signals, waits and reduces in one launch
   };
 
   // `stream` is a cudaStream_t of the window's device (not the legacy default stream, which
@@ -261,7 +277,9 @@ class CudaExecutor final : public Executor {
   CudaReduceBudget reduce_budget() const;
 
   void enable_stats(bool enabled);
-  Stats stats();  // synchronizes first
+  // Waits for the streams first. Counters of a failed executor too: its error is synchronize()'s
+  // and run()'s to throw (a CUDA error is thrown here).
+  Stats stats();
   void reset_stats();
 
   struct Impl;

@@ -159,12 +159,13 @@ enum class Delivery : uint8_t {
   // by peer in staggered order, each behind its own slot-free wait. On a CudaExecutor: per peer a
   // push call and a flag call, 2W driver calls at W ranks.
   kPush,
-  // The slot-free handshake with every peer comes first, then all the bytes, then the data-ready
-  // handshake (and the reduce). All-gather: one cast (SM stores) writes the shard into the own
-  // block and into the same block of every peer's window; on a CudaExecutor 3 driver calls at any
-  // W (a flag call, the kernel, a flag call), while SMs move W x the shard's bytes. Reduce-scatter:
-  // the chunks are pushed (copy engines) as one run, with no flag call between peers: W + 2
-  // driver calls. For small buckets.
+  // SMs store them. The slot-free handshake with every peer comes first. All-gather: one cast
+  // writes the shard into the own block and into the same block of every peer's window.
+  // Reduce-scatter: the chunks are copied into the peers' slots. Then the data-ready handshake
+  // (and the reduce). A CudaExecutor runs everything after the slot-free handshake as one kernel
+  // (src/executor/cuda/kernels.cuh, the handoff kernel) where its peers' kernels can run beside it:
+  // 2 driver calls at any W, while SMs move the bytes and spin on the peers' flags. For small
+  // buckets.
   kCastToPeers,
 };
 const char* delivery_name(Delivery delivery);

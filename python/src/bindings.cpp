@@ -288,6 +288,8 @@ NB_MODULE(_tide, m) {
       .def_ro("cast_cta_us", &CudaExecutor::Stats::cast_cta_us)
       .def_ro("reduce_cta_us", &CudaExecutor::Stats::reduce_cta_us)
       .def_ro("network_cta_us", &CudaExecutor::Stats::network_cta_us)
+      .def_ro("handoff_cta_us", &CudaExecutor::Stats::handoff_cta_us)
+      .def_ro("handoff_kernels", &CudaExecutor::Stats::handoff_kernels)
       .def_ro("network_groups", &CudaExecutor::Stats::network_groups)
       .def_ro("copies", &CudaExecutor::Stats::copies)
       .def_ro("copies_2d", &CudaExecutor::Stats::copies_2d)

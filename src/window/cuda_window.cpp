@@ -33,11 +33,19 @@ constexpr std::size_t kDataAlignment = 256;
 
 using detail::round_up;
 
-// Flags, then the IPC network's mailboxes (at their alignment): what follows a window's data,
-// zeroed at creation.
+// Flags, then the IPC network's mailboxes (at their alignment), then the handoff kernel's CTA
+// counter: what follows a window's data, zeroed at creation.
 std::size_t mailbox_offset(int world) { return round_up(flag_array_bytes(world), alignof(NetOutbox)); }
-std::size_t control_bytes(int world) {
+std::size_t arrivals_offset(int world) {
   return mailbox_offset(world) + sizeof(NetOutbox) * kNetChannels * static_cast<std::size_t>(world);
+}
+std::size_t control_bytes(int world) { return arrivals_offset(world) + 16; }
+
+// The GPU as every process names it (device ordinals depend on CUDA_VISIBLE_DEVICES).
+std::string pci_bus_id(int device) {
+  char id[64] = {};
+  TIDE_CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof id, device));
+  return id;
 }
 
 // Identifies this process among the ranks: the pid alone is not enough across containers, and a
@@ -205,6 +213,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   TIDE_CHECK_ARG(reinterpret_cast<uintptr_t>(base) % kDataAlignment == 0, where, "window base",
                  static_cast<void*>(base), detail::concat("aligned to ", kDataAlignment, " B"));
   window->mailbox_offset_ = window->flag_offset_ + mailbox_offset(world);
+  window->arrivals_offset_ = window->flag_offset_ + arrivals_offset(world);
   // Flags must read zero before any peer can signal into them: zero, and wait, before the
   // handles are published. A private stream, not cudaDeviceSynchronize: other ranks of this
   // process (threads) may have streams blocked on flags, and a device-wide wait would join them.
@@ -216,9 +225,10 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   (void)cudaStreamDestroy(zeroing);
   TIDE_CUDA_CHECK(synced);
 
-  char head[160];
-  std::snprintf(head, sizeof head, "%zu %" PRIu64 " %d %" PRIxPTR " %d ", data_bytes,
-                process_token(), device, reinterpret_cast<uintptr_t>(base), vmm ? 1 : 0);
+  const std::string gpu = pci_bus_id(device);
+  char head[224];
+  std::snprintf(head, sizeof head, "%zu %" PRIu64 " %d %s %" PRIxPTR " %d ", data_bytes,
+                process_token(), device, gpu.c_str(), reinterpret_cast<uintptr_t>(base), vmm ? 1 : 0);
   const std::vector<std::string> all = bootstrap.allgather(
       std::string(head) + (vmm ? std::string("-") : to_hex(&handle, sizeof handle)));
 
@@ -230,12 +240,17 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
     uint64_t token = 0;
     int peer_device = 0, kind = 0;
     uintptr_t pointer = 0;
+    char peer_gpu[64] = {};
     char hex[2 * sizeof(cudaIpcMemHandle_t) + 2] = {};
-    if (std::sscanf(all[r].c_str(), "%zu %" SCNu64 " %d %" SCNxPTR " %d %129s", &theirs, &token,
-                    &peer_device, &pointer, &kind, hex) != 6)
+    if (std::sscanf(all[r].c_str(), "%zu %" SCNu64 " %d %63s %" SCNxPTR " %d %129s", &theirs,
+                    &token, &peer_device, peer_gpu, &pointer, &kind, hex) != 7)
       throw InvalidArgument(detail::concat(where, ": rank ", r, " sent a malformed handle '",
                                            all[r], "', expected '<bytes> <token> <device> "
-                                           "<pointer> <kind> <handle>'"));
+                                           "<pci bus id> <pointer> <kind> <handle>'"));
+    if (gpu == peer_gpu) {
+      ++window->ranks_on_gpu_;
+      if (token != process_token()) window->peers_run_beside_own_ = false;
+    }
     TIDE_CHECK_ARG(theirs == data_bytes, where, detail::concat("data_bytes of rank ", r), theirs,
                    detail::concat(data_bytes, " (rank ", rank, "'s)"));
     TIDE_CHECK_ARG(kind == (vmm ? 1 : 0), where, detail::concat("memory kind of rank ", r),
@@ -316,6 +331,10 @@ std::byte* CudaWindow::data(int rank) const {
 
 FlagWord* CudaWindow::flags(int rank) const {
   return reinterpret_cast<FlagWord*>(data(rank) + flag_offset_);
+}
+
+unsigned int* CudaWindow::arrivals() const {
+  return reinterpret_cast<unsigned int*>(data(rank_) + arrivals_offset_);
 }
 
 NetOutbox* CudaWindow::mailbox(int rank, int channel, int peer) const {

@@ -306,7 +306,8 @@ TEST(CudaKernels, SingleRankCastAndReduce) {
 // through IPC). This hung on the H200 until CudaExecutor preloaded its kernels: under lazy module
 // loading a kernel's first launch waited for the whole context while another thread's stream sat
 // in a wait for it (cuda_kernels::preload_kernels). The child is killed after 120 s, so a
-// regression fails instead of eating the GPU run.
+// regression fails instead of eating the GPU run. Threads run Delivery::kCastToPeers's tail as the
+// handoff kernel (processes sharing a GPU do not): bitwise the host executor's as well.
 TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
   TIDE_REQUIRE_GPU();
   for (const int world : {2, 4}) {
@@ -576,9 +577,10 @@ TEST(CudaCollectives, MismatchedBucketsRaiseDesyncError) {
   }
 }
 
-// What one rank's collectives cost in driver calls: per collective and delivery its
-// cuStreamBatchMemOp calls, kernels and copies. The calls are a small collective's fixed cost
-// (BENCHMARKS.md); the other tests check the results.
+// What one rank's collectives cost in driver calls: "beside <0|1>" (whether the handoff kernel may
+// run: CudaWindow::peers_run_beside_own), then per collective and delivery its cuStreamBatchMemOp
+// calls, kernels, copies and handoff kernels. The calls are the fixed cost (BENCHMARKS.md); the
+// other tests check the results.
 std::string driver_call_counts(int world, int rank, Bootstrap& b) {
   select_device(rank);
   const BucketLayout layout({{"w", {256, 64}, DType::kBF16, DType::kFP32}},
@@ -590,16 +592,18 @@ std::string driver_call_counts(int world, int rank, Bootstrap& b) {
   auto window = CudaWindow::create(b, layout.window_bytes());
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::string counts;
+  std::string counts = detail::concat("beside ", window->peers_run_beside_own() ? 1 : 0);
   {
     CudaExecutor executor(*window, stream, 20000ms);
     const auto count = [&](const char* collective, Delivery delivery, const Program& program,
                            const Bindings& bindings) {
       executor.reset_stats();
       executor.run(program, bindings);
+      executor.synchronize();  // ranks as threads: no run overtakes a peer's
+      b.barrier();
       const CudaExecutor::Stats st = executor.stats();
-      counts += detail::concat(counts.empty() ? "" : " | ", collective, " ", delivery_name(delivery),
-                               " ", st.mem_op_calls, " ", st.kernel_launches, " ", st.copies);
+      counts += detail::concat(" | ", collective, " ", delivery_name(delivery), " ", st.mem_op_calls,
+                               " ", st.kernel_launches, " ", st.copies, " ", st.handoff_kernels);
     };
     for (const Delivery delivery : kDeliveries)
       count("ag", delivery, plan_all_gather(layout, rank, 1, NetOptions{}, delivery),
@@ -614,24 +618,44 @@ std::string driver_call_counts(int world, int rank, Bootstrap& b) {
   return counts;
 }
 
-// A run's consecutive signals and waits go in one cuStreamBatchMemOp, which also writes the marks
-// the watchdog reads (no events). Push: W memop calls (the slot-free signals with the first wait,
-// then per peer its data-ready signal with the next wait), the cast or reduce, W - 1 copies (3W - 2
-// memop calls and 4(W - 1) events when every wait had its own call and two events). Cast to peers:
-// the slot-free handshake in one memop call, the data-ready one in another; between them the cast
-// (AG, no copy) or the W - 1 copies, then the reduce (RS).
+// Push: W memop calls (the slot-free signals with the first wait, then per peer its data-ready
+// signal with the next wait), the cast or reduce, W - 1 copies. Cast to peers: the slot-free
+// handshake in one memop call, then the handoff kernel; without it (peers that time-slice this
+// GPU) a second memop call, the cast (AG) or the W - 1 copies and the reduce (RS).
+std::string expected_driver_calls(int world, bool beside) {
+  const std::string cast = beside ? "1 1 0 1" : "2 1 0 0";
+  const std::string rs_cast = beside ? "1 1 0 1" : detail::concat("2 1 ", world - 1, " 0");
+  const std::string push = detail::concat(world, " 1 ", world - 1, " 0");
+  return detail::concat("beside ", beside ? 1 : 0, " | ag push ", push, " | ag cast_to_peers ", cast,
+                        " | rs push ", push, " | rs cast_to_peers ", rs_cast);
+}
+
 TEST(CudaCollectives, ARunsFlagOpsShareDriverCalls) {
   TIDE_REQUIRE_GPU();
+  const int gpus = cuda_device_count();  // without CUDA in this process: the ranks fork from it
   for (const int world : {2, 4}) {
     SCOPED_TRACE("W = " + std::to_string(world));
     const harness::TempDir dir;
-    const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
+    const auto processes = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
       return driver_call_counts(world, rank, b);
     }, gpu_ranks(dir)).reports;
-    const std::string push = detail::concat(world, " 1 ", world - 1);
-    const std::string expected = detail::concat("ag push ", push, " | ag cast_to_peers 2 1 0 | rs push ",
-                                                push, " | rs cast_to_peers 2 1 ", world - 1);
-    for (int r = 0; r < world; ++r) EXPECT_EQ(reports[r], expected) << "rank " << r;
+    // Processes share a GPU unless there is one per rank.
+    const std::string expected = expected_driver_calls(world, gpus >= world);
+    for (int r = 0; r < world; ++r) EXPECT_EQ(processes[r], expected) << "rank " << r << " (processes)";
+    // Threads of one process: the handoff kernel runs (a thread's body reports what it throws).
+    const auto threads = harness::run_rank_processes(1, [&](int, Bootstrap&) {
+      const auto reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
+        ranks_are_threads = true;
+        throw std::runtime_error(driver_call_counts(world, rank, b));
+      }, kThreadRankTimeout);
+      std::string all;
+      for (const std::string& r : reports) all += r + "\n";
+      return all;
+    }, gpu_ranks(dir, 120s)).reports;
+    std::string expected_threads;
+    for (int r = 0; r < world; ++r)
+      expected_threads += "std::exception: " + expected_driver_calls(world, true) + "\n";
+    EXPECT_EQ(threads[0], expected_threads) << "(threads)";
   }
 }
 
@@ -731,6 +755,73 @@ TEST(CudaCollectives, AStuckFlagBatchNamesItsFirstUnmetWait) {
     const std::string& m = reports[0];
     EXPECT_EQ(reports[1], "std::exception: no error");
     EXPECT_EQ(reports[2], "std::exception: no error");
+    if (rank2_signals) {
+      EXPECT_NE(m.find("rank 0 runs bucket 7 all_gather at epoch 1 (phase data_ready) but rank 2 "
+                       "signalled bucket 8 all_gather"), std::string::npos) << m;
+    } else {
+      EXPECT_NE(m.find("rank 0: timed out after 2000 ms waiting for data_ready from rank 2"),
+                std::string::npos) << m;
+    }
+  }
+}
+
+// The same with the waits inside a handoff kernel (ranks as threads, so it runs): rank 0's
+// kCastToPeers tail signals and waits in the kernel, which spins until the watchdog diagnoses the
+// stuck wait as a stream wait's and releases it (the kernel then ends: no hang).
+TEST(CudaCollectives, AStuckHandoffKernelTimesOutLikeAStreamWait) {
+  TIDE_REQUIRE_GPU();
+  const int world = 3;
+  auto program = [&](int rank, uint32_t bucket, std::vector<Step> steps) {
+    Program p;
+    p.collective = Collective::kAllGather, p.rank = rank, p.world = world, p.bucket = bucket;
+    p.window_bytes = 4096, p.alignment = 256, p.steps = std::move(steps);
+    p.delivery = Delivery::kCastToPeers;
+    return p;
+  };
+  for (const bool rank2_signals : {true, false}) {
+    SCOPED_TRACE(rank2_signals ? "rank 2 signals bucket 8" : "rank 2 signals nothing");
+    const harness::TempDir dir;
+    const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
+      const auto threads = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
+        ranks_are_threads = true;
+        select_device(rank);
+        auto window = CudaWindow::create(b, 4096);
+        cudaStream_t stream = nullptr;
+        CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const Step signal{Phase::kDataReady, SignalOp{0, FlagKind::kDataReady}};
+        Program mine;
+        if (rank == 0)
+          mine = program(0, 7, {{Phase::kDataReady, SignalOp{1, FlagKind::kDataReady}},
+                                {Phase::kDataReady, SignalOp{2, FlagKind::kDataReady}},
+                                {Phase::kDataReady, WaitOp{1, FlagKind::kDataReady}},
+                                {Phase::kDataReady, WaitOp{2, FlagKind::kDataReady}}});
+        else
+          mine = program(rank, rank == 1 ? 7 : 8, rank == 2 && !rank2_signals ? std::vector<Step>{}
+                                                                              : std::vector<Step>{signal});
+        std::string outcome = "no error";
+        {
+          CudaExecutor executor(*window, stream, 2000ms);
+          try {
+            executor.run(mine, Bindings{});
+            executor.synchronize();
+          } catch (const Error& e) {
+            outcome = e.what();
+          }
+          outcome += detail::concat(" [handoff kernels ", executor.stats().handoff_kernels, "]");
+        }
+        b.barrier();  // every stream drained before any window goes away
+        window.reset();
+        CHECK_CUDA(cudaStreamDestroy(stream));
+        throw std::runtime_error(outcome);
+      }, kThreadRankTimeout);
+      std::string all;
+      for (const std::string& r : threads) all += r + "\n";
+      return all;
+    }, gpu_ranks(dir, 120s)).reports;
+    const std::string& m = reports[0];
+    EXPECT_NE(m.find("std::exception: no error [handoff kernels 0]\nstd::exception: no error "
+                     "[handoff kernels 0]\n"), std::string::npos) << m;
+    EXPECT_NE(m.find("[handoff kernels 1]"), std::string::npos) << m;
     if (rank2_signals) {
       EXPECT_NE(m.find("rank 0 runs bucket 7 all_gather at epoch 1 (phase data_ready) but rank 2 "
                        "signalled bucket 8 all_gather"), std::string::npos) << m;

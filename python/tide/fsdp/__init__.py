@@ -78,14 +78,16 @@ class TideFSDP:
 
     def sm_cta_us(self) -> float:
         """CUDA: SM time of TIDE's kernels since enable_sm_stats, in CTA-microseconds (CTAs x kernel
-        time of the cast, reduce and, between virtual nodes over IPC, pull kernels; copies and
-        flags use no SMs). Synchronizes the executors. 0 on CPU."""
+        time of the cast, reduce, handoff (small buckets; its flag waits included) and, between
+        virtual nodes over IPC, pull kernels; copies and flag operations use no SMs).
+        Synchronizes the executors. 0 on CPU."""
         total = 0.0
         for pool in self.pools:
             for pooled in pool.all_windows():
                 if hasattr(pooled.executor, "stats"):
                     st = pooled.executor.stats()
-                    total += st.cast_cta_us + st.reduce_cta_us + st.network_cta_us
+                    total += (st.cast_cta_us + st.reduce_cta_us + st.handoff_cta_us
+                              + st.network_cta_us)
         return total
 
     def __repr__(self):

@@ -215,9 +215,10 @@ void CudaExecutor::Impl::collect_timings() {
   for (const KernelTiming& t : timings) {
     float ms = 0;
     TIDE_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.end));
-    double& cta_us = t.kind == KernelKind::kCast     ? stats.cast_cta_us
-                     : t.kind == KernelKind::kReduce ? stats.reduce_cta_us
-                                                     : stats.network_cta_us;
+    double& cta_us = t.kind == KernelKind::kCast      ? stats.cast_cta_us
+                     : t.kind == KernelKind::kReduce  ? stats.reduce_cta_us
+                     : t.kind == KernelKind::kHandoff ? stats.handoff_cta_us
+                                                      : stats.network_cta_us;
     cta_us += 1000.0 * ms * t.ctas;
     (void)cudaEventDestroy(t.start);
     (void)cudaEventDestroy(t.end);
@@ -336,8 +337,10 @@ void CudaExecutor::synchronize() {
 void CudaExecutor::enable_stats(bool enabled) { impl_->stats_enabled = enabled; }
 
 CudaExecutor::Stats CudaExecutor::stats() {
-  synchronize();
-  return impl_->stats;
+  Impl& d = *impl_;
+  for (cudaStream_t s : d.streams_used) d.wait_stream(s);
+  d.collect_timings();
+  return d.stats;
 }
 
 void CudaExecutor::reset_stats() { impl_->stats = Stats{}; }

@@ -124,7 +124,7 @@ struct Span {
   bool overlaps(const Span& o) const { return begin < o.end && o.begin < end; }
 };
 
-enum class KernelKind : uint8_t { kCast, kReduce, kNetPull };
+enum class KernelKind : uint8_t { kCast, kReduce, kNetPull, kHandoff };
 
 struct KernelTiming {
   cudaEvent_t start;
@@ -227,6 +227,9 @@ struct CudaExecutor::Impl {
                               const Resolve& resolve,
                               const std::function<bool(std::size_t)>& batchable);
   void launch_reduce_batch(const std::vector<cuda_kernels::ReduceSpec>& reduces, int num_sources);
+  std::size_t handoff_start(const Program& program) const;
+  void enqueue_handoff(const std::vector<Step>& steps, std::size_t first, const Resolve& resolve,
+                       uint64_t epoch, uint64_t tag);
   void enqueue_copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                        std::size_t width, std::size_t rows);
   void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,

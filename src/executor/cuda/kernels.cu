@@ -116,20 +116,25 @@ __device__ __forceinline__ void cast_tile_dispatch_dst(const CastTask& task, int
   }
 }
 
+// Tile `tile` of a table's tasks; `t` is the task of the caller's previous tile (tiles only grow).
+__device__ __forceinline__ void cast_table_tile(const CastTask* tasks, int num_tasks, int64_t tile,
+                                                int& t) {
+  while (t + 1 < num_tasks && tasks[t + 1].tile_begin <= tile) ++t;
+  const CastTask& task = tasks[t];
+  const int64_t begin = (tile - task.tile_begin) * kTileElements;
+  const int64_t end = min(begin + kTileElements, task.total);
+  switch (task.src_type) {
+    case kBF16: cast_tile_dispatch_dst<kBF16>(task, begin, end); break;
+    case kFP16: cast_tile_dispatch_dst<kFP16>(task, begin, end); break;
+    default: cast_tile_dispatch_dst<kFP32>(task, begin, end); break;
+  }
+}
+
 template <class Table>
 __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_kernel(const __grid_constant__ Table table) {
   int t = 0;
-  for (int64_t tile = blockIdx.x; tile < table.num_tiles; tile += gridDim.x) {
-    while (t + 1 < table.num_tasks && table.tasks[t + 1].tile_begin <= tile) ++t;
-    const CastTask& task = table.tasks[t];
-    const int64_t begin = (tile - task.tile_begin) * kTileElements;
-    const int64_t end = min(begin + kTileElements, task.total);
-    switch (task.src_type) {
-      case kBF16: cast_tile_dispatch_dst<kBF16>(task, begin, end); break;
-      case kFP16: cast_tile_dispatch_dst<kFP16>(task, begin, end); break;
-      default: cast_tile_dispatch_dst<kFP32>(task, begin, end); break;
-    }
-  }
+  for (int64_t tile = blockIdx.x; tile < table.num_tiles; tile += gridDim.x)
+    cast_table_tile(table.tasks, table.num_tasks, tile, t);
 }
 
 // ---- Reduce. ---------------------------------------------------------------------------------
@@ -249,6 +254,22 @@ __device__ void reduce_tile_dispatch_dst(const ReduceTask& task, const void* con
   }
 }
 
+// Tile `tile` of a table's reduce tasks; `t` as cast_table_tile's.
+__device__ __forceinline__ void reduce_table_tile(const ReduceTask* tasks, int num_tasks,
+                                                  const void* const* all_sources, int num_sources,
+                                                  int64_t tile, int& t) {
+  while (t + 1 < num_tasks && tasks[t + 1].tile_begin <= tile) ++t;
+  const ReduceTask& task = tasks[t];
+  const void* const* sources = all_sources + task.source_begin;
+  const int64_t begin = (tile - task.tile_begin) * kTileElements;
+  const int64_t end = min(begin + kTileElements, task.count);
+  switch (task.src_type) {
+    case kBF16: reduce_tile_dispatch_dst<kBF16>(task, sources, num_sources, begin, end); break;
+    case kFP16: reduce_tile_dispatch_dst<kFP16>(task, sources, num_sources, begin, end); break;
+    default: reduce_tile_dispatch_dst<kFP32>(task, sources, num_sources, begin, end); break;
+  }
+}
+
 // Tiles [tile_first, tile_end) of the table, grid-striding: a persistent launch covers every tile;
 // a wave of a short-lived schedule (ReduceGrid::tiles_per_cta) covers gridDim.x x tiles_per_cta.
 template <class Table>
@@ -256,18 +277,117 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) reduce_kernel(const __grid_
                                                                    int64_t tile_first,
                                                                    int64_t tile_end) {
   int t = 0;
-  for (int64_t tile = tile_first + blockIdx.x; tile < tile_end; tile += gridDim.x) {
-    while (t + 1 < table.num_tasks && table.tasks[t + 1].tile_begin <= tile) ++t;
-    const ReduceTask& task = table.tasks[t];
-    const void* const* sources = table.sources + task.source_begin;
-    const int64_t begin = (tile - task.tile_begin) * kTileElements;
-    const int64_t end = min(begin + kTileElements, task.count);
-    switch (task.src_type) {
-      case kBF16: reduce_tile_dispatch_dst<kBF16>(task, sources, table.num_sources, begin, end); break;
-      case kFP16: reduce_tile_dispatch_dst<kFP16>(task, sources, table.num_sources, begin, end); break;
-      default: reduce_tile_dispatch_dst<kFP32>(task, sources, table.num_sources, begin, end); break;
+  for (int64_t tile = tile_first + blockIdx.x; tile < tile_end; tile += gridDim.x)
+    reduce_table_tile(table.tasks, table.num_tasks, table.sources, table.num_sources, tile, t);
+}
+
+// ---- Handoff: a small program's stores, signals, waits and reduces in one kernel. -------------
+
+struct CopyTask {
+  const std::byte* src;
+  std::byte* dst;
+  int64_t bytes;       // copied
+  int64_t total;       // bytes + zeroed
+  int64_t tile_begin;  // in kCopyTileBytes tiles
+  uint8_t vectorized;  // src, dst, bytes and total multiples of 16
+};
+constexpr int64_t kCopyTileBytes = kTileElements * 2;  // a bf16 cast tile's bytes
+
+struct HandoffTable {
+  int num_casts;
+  int num_copies;
+  int num_reduces;
+  int num_sources;
+  int num_signals;
+  int num_waits;
+  int64_t cast_tiles;
+  int64_t copy_tiles;
+  int64_t reduce_tiles;
+  uint64_t epoch;
+  uint64_t tag;
+  uint64_t wait_id;
+  unsigned int* arrivals;
+  uint64_t* reached;
+  uint64_t* passed;
+  uint64_t* signals[kHandoffPeers];
+  const uint64_t* waits[kHandoffPeers];
+  CastTask casts[kHandoffCasts];
+  CopyTask copies[kHandoffCopies];
+  ReduceTask reduces[kHandoffReduces];
+  const void* sources[kHandoffSources];
+};
+static_assert(sizeof(HandoffTable) <= 32764, "handoff table exceeds the kernel parameter limit");
+
+__device__ __forceinline__ void store_release_system(uint64_t* word, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* word) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void copy_tile(const CopyTask& task, int64_t begin, int64_t end) {
+  if (task.vectorized) {
+    for (int64_t b = begin + threadIdx.x * 16; b < end; b += kThreadsPerCta * 16)
+      *reinterpret_cast<uint4*>(task.dst + b) =
+          b < task.bytes ? *reinterpret_cast<const uint4*>(task.src + b) : make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t b = begin + threadIdx.x; b < end; b += kThreadsPerCta)
+      task.dst[b] = b < task.bytes ? task.src[b] : std::byte{0};
+  }
+}
+
+// kernels.cuh says what it does and why; FlagWord is {epoch, tag}.
+__global__ void __launch_bounds__(kThreadsPerCta, 4) handoff_kernel(const __grid_constant__ HandoffTable table) {
+  int t = 0;
+  for (int64_t tile = blockIdx.x; tile < table.cast_tiles; tile += gridDim.x)
+    cast_table_tile(table.casts, table.num_casts, tile, t);
+  t = 0;
+  for (int64_t tile = blockIdx.x; tile < table.copy_tiles; tile += gridDim.x) {
+    while (t + 1 < table.num_copies && table.copies[t + 1].tile_begin <= tile) ++t;
+    const CopyTask& task = table.copies[t];
+    const int64_t begin = (tile - task.tile_begin) * kCopyTileBytes;
+    copy_tile(task, begin, min(begin + kCopyTileBytes, task.total));
+  }
+  if (table.num_signals > 0) {
+    // The CTA's stores, peers' windows included, before its arrival: the barrier, then one
+    // system-wide fence by the thread that arrives (cumulative over the barrier, as a grid sync).
+    __syncthreads();
+    if (threadIdx.x == 0) __threadfence_system();
+    if (threadIdx.x == 0 && atomicAdd(table.arrivals, 1u) + 1 == gridDim.x) {
+      // The last CTA: every other CTA fenced before it arrived. The next launch on this window
+      // comes after this one (one collective at a time per window), so it finds 0.
+      atomicExch(table.arrivals, 0u);
+      __threadfence_system();
+      for (int k = 0; k < table.num_signals; ++k) {
+        *reinterpret_cast<volatile uint64_t*>(table.signals[k] + 1) = table.tag;
+        store_release_system(table.signals[k], table.epoch);
+      }
     }
   }
+  if (table.num_waits > 0) {
+    if (threadIdx.x == 0) {
+      if (blockIdx.x == 0) store_release_system(table.reached, table.wait_id);
+      // The watchdog releases a stuck wait as it does a stream wait: its copy writes the awaited
+      // words into the own flags, which completes while this kernel spins (seen on an H200).
+      for (int k = 0; k < table.num_waits; ++k) {
+        unsigned int backoff = 32;
+        while (static_cast<int64_t>(load_acquire_system(table.waits[k]) - table.epoch) < 0 ||
+               *reinterpret_cast<const volatile uint64_t*>(table.waits[k] + 1) != table.tag) {
+          __nanosleep(backoff);
+          backoff = min(backoff * 2, 256u);
+        }
+      }
+      // Once one CTA has passed, every CTA passes: a flag moves on only after this kernel ends.
+      if (blockIdx.x == 0) store_release_system(table.passed, table.wait_id);
+    }
+    __syncthreads();
+  }
+  t = 0;
+  for (int64_t tile = blockIdx.x; tile < table.reduce_tiles; tile += gridDim.x)
+    reduce_table_tile(table.reduces, table.num_reduces, table.sources, table.num_sources, tile, t);
 }
 
 // ---- The IPC network's pull. -------------------------------------------------------------------
@@ -296,6 +416,27 @@ __global__ void __launch_bounds__(kThreadsPerCta) net_pull_kernel(const uint64_t
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 int64_t tiles_of(int64_t elements) { return (elements + kTileElements - 1) / kTileElements; }
+
+// A cast's task (tile_begin set by the table it joins).
+CastTask cast_task(const CastSpec& s) {
+  const bool strided = s.rows > 1;
+  const int64_t total = strided ? s.rows * s.count : s.count + s.pad;
+  const bool vectorized = aligned16(s.src) && aligned16(s.dst) &&
+                          (!strided || (s.count % 8 == 0 && s.dst_pitch % 8 == 0));
+  return {s.src, s.dst, strided ? total : s.count, total, strided ? s.count : total,
+          strided ? s.dst_pitch : total, 0, s.src_type, s.dst_type, static_cast<uint8_t>(vectorized)};
+}
+
+// A reduce's task (tile_begin and source_begin set by the table it joins).
+ReduceTask reduce_task(const ReduceSpec& s, int num_sources) {
+  bool vectorized = aligned16(s.dst) && (!s.partial || aligned16(s.partial));
+  for (int p = 0; p < num_sources; ++p) vectorized = vectorized && aligned16(s.sources[p]);
+  TIDE_CHECK_ARG(!s.partial || s.partial_type == kFP32 || s.partial_type == kBF16,
+                 "launch_reduces", "partial_type", static_cast<int>(s.partial_type), "fp32 or bf16");
+  return {s.dst, s.partial, s.count, 0, s.prescale, s.scale, 0, s.src_type, s.dst_type,
+          static_cast<uint8_t>(s.accumulate), static_cast<uint8_t>(vectorized),
+          static_cast<uint8_t>(s.partial_type)};
+}
 
 void check_launch(const char* kernel) {
   const cudaError_t status = cudaGetLastError();
@@ -380,6 +521,7 @@ void preload_kernels() {
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<SmallReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<LargeReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, net_pull_kernel));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, handoff_kernel));
 }
 
 int ctas_per_sm() {
@@ -399,36 +541,26 @@ int ctas_per_sm() {
   return value;
 }
 
-int default_max_ctas() {
+int sm_count() {
   static std::mutex mutex;
   static std::vector<int> per_device;
   int device = 0;
   TIDE_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
   if (static_cast<int>(per_device.size()) <= device) per_device.resize(device + 1, 0);
-  if (per_device[device] == 0) {
-    int sms = 0;
-    TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    per_device[device] = ctas_per_sm() * sms;
-  }
+  if (per_device[device] == 0)
+    TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&per_device[device], cudaDevAttrMultiProcessorCount, device));
   return per_device[device];
 }
+
+int default_max_ctas() { return ctas_per_sm() * sm_count(); }
 
 LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ctas,
                         cudaStream_t stream) {
   std::vector<CastTask> tasks;
   tasks.reserve(num_specs);
-  for (std::size_t i = 0; i < num_specs; ++i) {
-    const CastSpec& s = specs[i];
-    if (s.count + s.pad == 0) continue;
-    const bool strided = s.rows > 1;
-    const int64_t total = strided ? s.rows * s.count : s.count + s.pad;
-    const bool vectorized = aligned16(s.src) && aligned16(s.dst) &&
-                            (!strided || (s.count % 8 == 0 && s.dst_pitch % 8 == 0));
-    tasks.push_back({s.src, s.dst, strided ? total : s.count, total, strided ? s.count : total,
-                     strided ? s.dst_pitch : total, 0, s.src_type, s.dst_type,
-                     static_cast<uint8_t>(vectorized)});
-  }
+  for (std::size_t i = 0; i < num_specs; ++i)
+    if (specs[i].count + specs[i].pad > 0) tasks.push_back(cast_task(specs[i]));
   LaunchInfo info;
   for (std::size_t first = 0; first < tasks.size();) {
     const std::size_t n = std::min<std::size_t>(tasks.size() - first, kLargeCastTasks);
@@ -457,18 +589,9 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
   std::vector<const void*> sources;
   tasks.reserve(num_specs);
   for (std::size_t i = 0; i < num_specs; ++i) {
-    const ReduceSpec& s = specs[i];
-    if (s.count == 0) continue;
-    bool vectorized = aligned16(s.dst) && (!s.partial || aligned16(s.partial));
-    for (int p = 0; p < num_sources; ++p) {
-      vectorized = vectorized && aligned16(s.sources[p]);
-      sources.push_back(s.sources[p]);
-    }
-    TIDE_CHECK_ARG(!s.partial || s.partial_type == kFP32 || s.partial_type == kBF16,
-                   "launch_reduces", "partial_type", static_cast<int>(s.partial_type), "fp32 or bf16");
-    tasks.push_back({s.dst, s.partial, s.count, 0, s.prescale, s.scale, 0, s.src_type, s.dst_type,
-                     static_cast<uint8_t>(s.accumulate), static_cast<uint8_t>(vectorized),
-                     static_cast<uint8_t>(s.partial_type)});
+    if (specs[i].count == 0) continue;
+    tasks.push_back(reduce_task(specs[i], num_sources));
+    sources.insert(sources.end(), specs[i].sources, specs[i].sources + num_sources);
   }
   LaunchInfo info;
   const bool small_fits = num_sources * 16 <= 256;
@@ -496,6 +619,80 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
     first += n;
   }
   return info;
+}
+
+bool handoff_fits(std::size_t casts, std::size_t copies, int signals, int waits,
+                  std::size_t reduces, int num_sources) {
+  return casts <= kHandoffCasts && copies <= kHandoffCopies && signals <= kHandoffPeers &&
+         waits <= kHandoffPeers && reduces <= kHandoffReduces &&
+         reduces * static_cast<std::size_t>(num_sources) <= kHandoffSources;
+}
+
+LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream) {
+  TIDE_CHECK_ARG(handoff_fits(spec.num_casts, spec.num_copies, spec.num_signals, spec.num_waits,
+                              spec.num_reduces, spec.num_sources),
+                 "launch_handoff", "spec",
+                 detail::concat(spec.num_casts, " casts, ", spec.num_copies, " copies, ",
+                                spec.num_signals, " signals, ", spec.num_waits, " waits, ",
+                                spec.num_reduces, " reduces of ", spec.num_sources, " sources"),
+                 detail::concat("at most ", kHandoffCasts, " casts, ", kHandoffCopies, " copies, ",
+                                kHandoffPeers, " signals and waits, ", kHandoffReduces,
+                                " reduces, ", kHandoffSources, " sources in all"));
+  TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_handoff", "arrivals", "null",
+                 "the window's CTA counter when the kernel signals");
+  TIDE_CHECK_ARG(spec.num_waits == 0 || (spec.reached && spec.passed),
+                 "launch_handoff", "marks", "null", "the watchdog's marks when the kernel waits");
+  HandoffTable table{};
+  for (std::size_t i = 0; i < spec.num_casts; ++i) {
+    const CastSpec& c = spec.casts[i];
+    if (c.count + c.pad == 0) continue;
+    CastTask& task = table.casts[table.num_casts++];
+    task = cast_task(c);
+    task.tile_begin = table.cast_tiles;
+    table.cast_tiles += tiles_of(task.total);
+  }
+  for (std::size_t i = 0; i < spec.num_copies; ++i) {
+    const CopySpec& c = spec.copies[i];
+    const auto total = static_cast<int64_t>(c.bytes + c.zero_bytes);
+    if (total == 0) continue;
+    const auto bytes = static_cast<int64_t>(c.bytes);
+    table.copies[table.num_copies++] = {
+        static_cast<const std::byte*>(c.src), static_cast<std::byte*>(c.dst), bytes, total,
+        table.copy_tiles,
+        static_cast<uint8_t>(aligned16(c.src) && aligned16(c.dst) && bytes % 16 == 0 && total % 16 == 0)};
+    table.copy_tiles += (total + kCopyTileBytes - 1) / kCopyTileBytes;
+  }
+  table.num_sources = spec.num_sources;
+  for (std::size_t i = 0; i < spec.num_reduces; ++i) {
+    const ReduceSpec& r = spec.reduces[i];
+    if (r.count == 0) continue;
+    ReduceTask& task = table.reduces[table.num_reduces];
+    task = reduce_task(r, spec.num_sources);
+    task.tile_begin = table.reduce_tiles;
+    task.source_begin = table.num_reduces * spec.num_sources;
+    for (int p = 0; p < spec.num_sources; ++p) table.sources[task.source_begin + p] = r.sources[p];
+    table.reduce_tiles += tiles_of(task.count);
+    ++table.num_reduces;
+  }
+  table.num_signals = spec.num_signals;
+  table.num_waits = spec.num_waits;
+  for (int k = 0; k < spec.num_signals; ++k) table.signals[k] = spec.signals[k];
+  for (int k = 0; k < spec.num_waits; ++k) table.waits[k] = spec.waits[k];
+  table.epoch = spec.epoch;
+  table.tag = spec.tag;
+  table.wait_id = spec.wait_id;
+  table.arrivals = spec.arrivals;
+  table.reached = spec.reached;
+  table.passed = spec.passed;
+  // One CTA per SM and rank on this GPU: with the handoffs of an all-gather and a reduce-scatter
+  // in flight on each, the spinning CTAs fill at most half of the 4 per SM that every SM holds
+  // (__launch_bounds__), so no CTA of a handoff waits for a slot that only a spinning one frees.
+  const int64_t cap = std::max(1, sm_count() / std::max(1, spec.ranks_on_gpu));
+  const int64_t tiles = std::max({table.cast_tiles, table.copy_tiles, table.reduce_tiles, int64_t{1}});
+  const int grid = static_cast<int>(std::min(tiles, cap));
+  handoff_kernel<<<grid, kThreadsPerCta, 0, stream>>>(table);
+  check_launch("handoff_kernel<<<>>>");
+  return {1, grid};
 }
 
 LaunchInfo launch_net_pull(const uint64_t* offset, const void* peer_data, void* dst,

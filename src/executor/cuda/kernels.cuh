@@ -62,6 +62,7 @@ inline constexpr int kMaxSources = 3072;  // ranks a reduce can sum (one launch'
 // The grid cap used when max_ctas <= 0: CTAs per SM (2, or TIDE_CUDA_CTAS_PER_SM) x SMs of the
 // current device (reduces; casts use twice as many).
 int default_max_ctas();
+int sm_count();  // of the current device
 
 // Loads every kernel of this file into the current context now. With CUDA's lazy module loading
 // (the default) a kernel's first launch loads its module, and loading waits for the whole
@@ -94,6 +95,64 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
                           int max_ctas, cudaStream_t stream);
 LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
                           const ReduceGrid& grid, cudaStream_t stream);
+
+// One kernel for the tail of a small single-node program (Delivery::kCastToPeers): its casts and
+// copies (SM stores, into the peers' windows as well), then its signals, then its waits, then its
+// reduces. A collective's fixed cost is host time, a driver call of ~1-7 µs each (BENCHMARKS.md), and
+// this turns the tail's calls (a cast or push, a memop, a reduce launch) into one launch. Order and
+// visibility are the stream operations':
+//   signals  written by the last CTA to finish its stores, after a system-wide fence by every
+//            thread: per signal the tag, then the epoch (a release store), as the memops write
+//            them;
+//   waits    each CTA's first thread spins (acquire loads, with backoff) until epoch >= e (signed
+//            difference, as cuStreamWaitValue64's GEQ) and tag == t, writing the watchdog's marks
+//            (wait_marks.hpp) around: the watchdog diagnoses a stuck one exactly as it does a
+//            stream wait, and releases it the same way (it writes the awaited words into the own
+//            flags; the copy completes while the kernel spins);
+//   reduces  after the waits, so the peers' chunks in the own window are visible.
+// The CTAs that spin hold SMs while they wait, so this is for small buckets only, at most one CTA
+// per SM and rank on the GPU, and only where every peer's kernels can run while this one waits
+// (ranks that are threads of this process, or on other GPUs: CudaWindow::peers_run_beside_own()).
+inline constexpr int kHandoffCasts = 32;
+inline constexpr int kHandoffCopies = 32;
+inline constexpr int kHandoffReduces = 16;
+inline constexpr int kHandoffSources = 128;  // sources of all its reduces
+inline constexpr int kHandoffPeers = 16;     // signals, and waits
+
+// dst[0:bytes] = src[0:bytes], then dst[bytes:bytes + zero_bytes] = 0 (a same-type cast's pad).
+struct CopySpec {
+  const void* src;
+  void* dst;
+  std::size_t bytes;
+  std::size_t zero_bytes = 0;
+};
+
+struct HandoffSpec {
+  const CastSpec* casts = nullptr;  // contiguous destinations only (rows == 1)
+  std::size_t num_casts = 0;
+  const CopySpec* copies = nullptr;
+  std::size_t num_copies = 0;
+  uint64_t* signals[kHandoffPeers] = {};      // a peer's FlagWord (epoch, then tag)
+  int num_signals = 0;
+  const uint64_t* waits[kHandoffPeers] = {};  // own FlagWords
+  int num_waits = 0;
+  uint64_t epoch = 0;
+  uint64_t tag = 0;
+  unsigned int* arrivals = nullptr;  // the window's CTA counter: 0 between launches
+  uint64_t* reached = nullptr;       // the watchdog's marks (device addresses of host memory)
+  uint64_t* passed = nullptr;
+  uint64_t wait_id = 0;
+  int ranks_on_gpu = 1;                 // ranks whose handoffs share this GPU (the grid's share)
+  const ReduceSpec* reduces = nullptr;  // none writing what another reads or writes
+  std::size_t num_reduces = 0;
+  int num_sources = 0;
+};
+
+// Whether the spec fits one launch (the k* limits above); launch_handoff throws InvalidArgument
+// otherwise.
+bool handoff_fits(std::size_t casts, std::size_t copies, int signals, int waits,
+                  std::size_t reduces, int num_sources);
+LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream);
 
 // The CUDA IPC network's receive (CudaReach::kHost): dst[0:bytes] = peer_data[*offset:][0:bytes],
 // the offset read on the device from the mailbox entry the sender posted (the receiver's host does

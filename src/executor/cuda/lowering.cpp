@@ -18,6 +18,11 @@
 //                 collective makes 4 (the cast or reduce, the push, two of these).
 //   ReduceOp   -> one reduce kernel for consecutive ReduceOps with as many sources each, none
 //                 reading or writing what an earlier one of the kernel writes.
+//   The tail of a Delivery::kCastToPeers program (its casts and copies, signals, waits and
+//                 reduces after the slot-free handshake) -> one handoff kernel (kernels.cuh), where
+//                 the window's peers can run kernels beside this rank's (CudaWindow::
+//                 peers_run_beside_own), the reduces use the default budget, the tail fits one
+//                 launch and TIDE_CUDA_HANDOFF is not 0; the steps above otherwise.
 //   NetSendOp/NetRecvOp -> grouped on a network stream, as the group schedule
 //                 (src/executor/net/group_schedule.hpp) says: issued after the stream reaches the
 //                 group's last op, waited for only by steps that touch its bytes; over NCCL
@@ -27,6 +32,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <variant>
 
 #include "cuda_executor_impl.hpp"
@@ -71,9 +77,14 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
   std::vector<const void*> srcs;
   std::vector<std::size_t> sizes;
   std::vector<int> window_pairs;
+  const std::size_t handoff = has_net ? steps.size() : handoff_start(program);
   for (std::size_t i = 0; i < steps.size();) {
     network_actions(i);
     const Step& step = steps[i];
+    if (i == handoff) {
+      enqueue_handoff(steps, i, resolve, epoch, tag);
+      break;
+    }
     if (std::holds_alternative<CastOp>(step.op)) {
       i = enqueue_casts(steps, i, resolve, batchable);
     } else if (std::holds_alternative<ReduceOp>(step.op)) {
@@ -105,6 +116,122 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
   }
   network_actions(steps.size());
   recycle_events(group_done);  // every wait on them is enqueued (waits capture the record)
+}
+
+namespace {
+
+bool handoff_enabled() {
+  static const bool enabled = [] {
+    const char* text = std::getenv("TIDE_CUDA_HANDOFF");
+    return !(text && std::string(text) == "0");
+  }();
+  return enabled;
+}
+
+}  // namespace
+
+// Where the handoff kernel takes over: the first step of the program's tail of stores (contiguous
+// casts, 1-D copies), signals, waits and reduces, when the program and the executor allow it
+// (lowering's header); steps.size() otherwise.
+std::size_t CudaExecutor::Impl::handoff_start(const Program& program) const {
+  const std::vector<Step>& steps = program.steps;
+  const std::size_t none = steps.size();
+  if (program.delivery != Delivery::kCastToPeers || !window.peers_run_beside_own() ||
+      !reduce_budget.is_default() || !handoff_enabled())
+    return none;
+  std::size_t k = steps.size(), reduces = 0, sources = 0;
+  for (; k > 0; --k) {
+    const auto* reduce = std::get_if<ReduceOp>(&steps[k - 1].op);
+    if (!reduce || reduce->partial || (reduces > 0 && reduce->sources.size() != sources)) break;
+    sources = reduce->sources.size();
+    ++reduces;
+  }
+  int waits = 0, signals = 0;
+  for (; k > 0 && std::holds_alternative<WaitOp>(steps[k - 1].op); --k) ++waits;
+  for (; k > 0 && std::holds_alternative<SignalOp>(steps[k - 1].op); --k) ++signals;
+  if (waits == 0 || signals == 0) return none;
+  std::size_t casts = 0, copies = 0;
+  for (; k > 0; --k) {
+    const Step& step = steps[k - 1];
+    if (const auto* cast = std::get_if<CastOp>(&step.op)) {
+      if (cast->rows > 1) return none;
+      ++(cast->src_dtype == cast->dst_dtype ? copies : casts);
+    } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
+      for (const CopyOp& c : batch->copies) {
+        if (c.rows > 1) return none;
+        ++copies;
+      }
+    } else {
+      break;
+    }
+  }
+  return cuda_kernels::handoff_fits(casts, copies, signals, waits, reduces, static_cast<int>(sources))
+             ? k
+             : none;
+}
+
+// The tail from `first` on (handoff_start) as one handoff kernel: its stores, its signals, its
+// waits as one watched record (the kernel writes the marks), its reduces.
+void CudaExecutor::Impl::enqueue_handoff(const std::vector<Step>& steps, std::size_t first,
+                                         const Resolve& resolve, uint64_t epoch, uint64_t tag) {
+  const int rank = window.rank(), world = window.world();
+  std::vector<cuda_kernels::CastSpec> casts;
+  std::vector<cuda_kernels::CopySpec> copies;
+  std::vector<const void*> sources;  // filled before the specs point into it
+  std::vector<std::size_t> reduce_steps;
+  cuda_kernels::HandoffSpec spec;
+  spec.epoch = epoch, spec.tag = tag;
+  spec.arrivals = window.arrivals();
+  spec.ranks_on_gpu = window.ranks_on_gpu();
+  std::optional<PendingWait> record;
+  for (std::size_t i = first; i < steps.size(); ++i) {
+    const Step& step = steps[i];
+    if (const auto* cast = std::get_if<CastOp>(&step.op)) {
+      std::byte* dst = resolve(cast->dst);
+      const void* src = cast->count > 0 ? resolve(cast->src) : nullptr;
+      const std::size_t size = dtype_size(cast->dst_dtype);
+      if (cast->src_dtype == cast->dst_dtype)  // bits as they are, like the copy it lowers to
+        copies.push_back({src, dst, static_cast<std::size_t>(cast->count) * size,
+                          static_cast<std::size_t>(cast->pad) * size});
+      else
+        casts.push_back({src, dst, cast->count, cast->pad, element_type(cast->src_dtype),
+                         element_type(cast->dst_dtype)});
+    } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
+      for (const CopyOp& c : batch->copies)
+        if (c.bytes > 0) copies.push_back({resolve(c.src), resolve(c.dst), c.bytes});
+    } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
+      FlagWord* flag = window.flags(signal->peer) + flag_index(signal->kind, rank, world);
+      spec.signals[spec.num_signals++] = &flag->epoch;
+    } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
+      if (!record) record = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, step.phase);
+      FlagWord* flag = window.flags(rank) + flag_index(wait->kind, wait->peer, world);
+      spec.waits[spec.num_waits++] = &flag->epoch;
+      record->flags.push_back({flag, wait->kind, wait->peer, step.phase});
+    } else {
+      const ReduceOp& reduce = std::get<ReduceOp>(step.op);
+      for (const Address& a : reduce.sources) sources.push_back(resolve(a));
+      reduce_steps.push_back(i);
+    }
+  }
+  std::vector<cuda_kernels::ReduceSpec> reduces;
+  for (std::size_t k = 0; k < reduce_steps.size(); ++k) {
+    const ReduceOp& reduce = std::get<ReduceOp>(steps[reduce_steps[k]].op);
+    spec.num_sources = static_cast<int>(reduce.sources.size());
+    reduces.push_back({sources.data() + k * reduce.sources.size(), resolve(reduce.dst), nullptr,
+                       reduce.count, reduce.prescale, reduce.scale, reduce.accumulate,
+                       element_type(reduce.src_dtype), element_type(reduce.dst_dtype)});
+  }
+  spec.casts = casts.data(), spec.num_casts = casts.size();
+  spec.copies = copies.data(), spec.num_copies = copies.size();
+  spec.reduces = reduces.data(), spec.num_reduces = reduces.size();
+  if (record) {
+    spec.reached = reinterpret_cast<uint64_t*>(marks->reached_address(record->slot));
+    spec.passed = reinterpret_cast<uint64_t*>(marks->passed_address(record->slot));
+    spec.wait_id = record->id;
+  }
+  launch_timed(KernelKind::kHandoff, stream, [&] { return cuda_kernels::launch_handoff(spec, stream); });
+  ++stats.handoff_kernels;
+  if (record) watch(std::move(*record));
 }
 
 // Consecutive casts write disjoint slots: same-type ones become one copy batch (+ memsets of their
