@@ -141,6 +141,10 @@ std::vector<std::byte> run_problem(const Problem& problem, const cuda_kernels::R
     specs.push_back({sources[i].data(), dsts.back(), partial, n, 0.5f, 0.125f, problem.accumulate,
                      problem.src_type, problem.dst_type, cuda_kernels::kFP32});
   }
+  // A cudaMemcpy from pageable memory may return before its DMA lands, and `stream` (non-blocking)
+  // does not wait for the legacy stream it ran on: without this the kernel raced the last copies
+  // (the H200 once showed a tile of the last destination still 0xFF).
+  CHECK_CUDA(cudaStreamSynchronize(cudaStreamLegacy));
   *info = cuda_kernels::launch_reduces(specs.data(), specs.size(), problem.sources, grid, stream);
   CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<std::byte> out;
