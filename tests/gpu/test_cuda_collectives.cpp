@@ -5,6 +5,10 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <functional>
+#include <string>
+#include <vector>
+
 #include "gpu_harness.hpp"
 
 namespace tide {
@@ -579,6 +583,30 @@ TEST(CudaCollectives, MismatchedBucketsRaiseDesyncError) {
   }
 }
 
+// `body`'s result on each of `world` ranks that are threads of one child process (one CUDA
+// context), which is killed after 120 s.
+std::vector<std::string> thread_ranks_in_a_child(
+    int world, const harness::TempDir& dir,
+    const std::function<std::string(int, Bootstrap&)>& body) {
+  const auto joined = harness::run_rank_processes(1, [&](int, Bootstrap&) {
+    const auto reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
+      ranks_are_threads = true;
+      throw std::runtime_error(body(rank, b));  // a thread rank reports what it throws
+    }, kThreadRankTimeout);
+    std::string all;
+    for (const std::string& r : reports) all += r + "\n";
+    return all;
+  }, gpu_ranks(dir, 120s)).reports;
+  std::vector<std::string> results;
+  std::size_t begin = 0;
+  for (std::size_t end; (end = joined[0].find('\n', begin)) != std::string::npos; begin = end + 1) {
+    const std::string line = joined[0].substr(begin, end - begin);
+    const std::string thrown = "std::exception: ";
+    results.push_back(line.rfind(thrown, 0) == 0 ? line.substr(thrown.size()) : line);
+  }
+  return results;
+}
+
 // What one rank's collectives cost in driver calls: "beside <0|1>" (whether the handoff kernel may
 // run: CudaWindow::peers_run_beside_own), then per collective and delivery its cuStreamBatchMemOp
 // calls, kernels, copies and handoff kernels. The calls are the fixed cost (BENCHMARKS.md); the
@@ -644,20 +672,13 @@ TEST(CudaCollectives, ARunsFlagOpsShareDriverCalls) {
     // Processes share a GPU unless there is one per rank.
     const std::string expected = expected_driver_calls(world, gpus >= world);
     for (int r = 0; r < world; ++r) EXPECT_EQ(processes[r], expected) << "rank " << r << " (processes)";
-    // Threads of one process: the handoff kernel runs (a thread's body reports what it throws).
-    const auto threads = harness::run_rank_processes(1, [&](int, Bootstrap&) {
-      const auto reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
-        ranks_are_threads = true;
-        throw std::runtime_error(driver_call_counts(world, rank, b));
-      }, kThreadRankTimeout);
-      std::string all;
-      for (const std::string& r : reports) all += r + "\n";
-      return all;
-    }, gpu_ranks(dir, 120s)).reports;
-    std::string expected_threads;
+    // Threads of one process: the handoff kernel runs.
+    const auto threads = thread_ranks_in_a_child(world, dir, [&](int rank, Bootstrap& b) {
+      return driver_call_counts(world, rank, b);
+    });
+    ASSERT_EQ(threads.size(), static_cast<std::size_t>(world));
     for (int r = 0; r < world; ++r)
-      expected_threads += "std::exception: " + expected_driver_calls(world, true) + "\n";
-    EXPECT_EQ(threads[0], expected_threads) << "(threads)";
+      EXPECT_EQ(threads[r], expected_driver_calls(world, true)) << "rank " << r << " (threads)";
   }
 }
 
@@ -711,126 +732,97 @@ TEST(CudaCollectives, EqualParamsPushAsOne2dCopyPerPeer) {
     EXPECT_EQ(reports[r], "std::exception: copies 1 2d 1 coalesced 8") << "rank " << r;
 }
 
+// One stuck-wait rank, in a process or a thread: rank 0 waits for data_ready from ranks 1 and 2;
+// rank 1 signals it; rank 2 signals another bucket's (rank2_signals) or nothing. `in_kernel`:
+// rank 0's program is a kCastToPeers tail (its signals, then the waits), which ranks as threads
+// run as one handoff kernel. The outcome is the error's text or "no error", then the handoff
+// kernels the executor launched (stats() does not rethrow the error: the barrier must be reached).
+std::string stuck_wait_outcome(int world, int rank, Bootstrap& b, bool in_kernel, bool rank2_signals) {
+  auto program = [&](uint32_t bucket, std::vector<Step> steps) {
+    Program p;
+    p.collective = Collective::kAllGather, p.rank = rank, p.world = world, p.bucket = bucket;
+    p.window_bytes = 4096, p.alignment = 256, p.steps = std::move(steps);
+    if (in_kernel) p.delivery = Delivery::kCastToPeers;
+    return p;
+  };
+  select_device(rank);
+  auto window = CudaWindow::create(b, 4096);
+  cudaStream_t stream = nullptr;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Program mine;
+  if (rank == 0) {
+    std::vector<Step> steps;
+    if (in_kernel)
+      steps = {{Phase::kDataReady, SignalOp{1, FlagKind::kDataReady}},
+               {Phase::kDataReady, SignalOp{2, FlagKind::kDataReady}}};
+    steps.push_back({Phase::kDataReady, WaitOp{1, FlagKind::kDataReady}});
+    steps.push_back({Phase::kDataReady, WaitOp{2, FlagKind::kDataReady}});
+    mine = program(7, std::move(steps));
+  } else {
+    const Step signal{Phase::kDataReady, SignalOp{0, FlagKind::kDataReady}};
+    mine = program(rank == 1 ? 7 : 8, rank == 2 && !rank2_signals ? std::vector<Step>{}
+                                                                  : std::vector<Step>{signal});
+  }
+  std::string outcome = "no error";
+  {
+    CudaExecutor executor(*window, stream, 2000ms);
+    try {
+      executor.run(mine, Bindings{});
+      executor.synchronize();
+    } catch (const Error& e) {
+      outcome = e.what();
+    }
+    outcome += detail::concat(" [handoff kernels ", executor.stats().handoff_kernels, "]");
+  }
+  b.barrier();  // every stream drained before any window goes away
+  window.reset();
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return outcome;
+}
+
+// Ranks 1 and 2 pass; rank 0's error names rank 2: DesyncError when it signalled bucket 8,
+// TimeoutError when it signalled nothing.
+void expect_stuck_wait_outcomes(const std::vector<std::string>& outcomes, bool rank2_signals,
+                                int rank0_handoffs) {
+  ASSERT_EQ(outcomes.size(), 3u);
+  EXPECT_EQ(outcomes[1], "no error [handoff kernels 0]");
+  EXPECT_EQ(outcomes[2], "no error [handoff kernels 0]");
+  const std::string& m = outcomes[0];
+  EXPECT_NE(m.find(rank2_signals ? "rank 0 runs bucket 7 all_gather at epoch 1 (phase data_ready) "
+                                   "but rank 2 signalled bucket 8 all_gather"
+                                 : "rank 0: timed out after 2000 ms waiting for data_ready from rank 2"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find(detail::concat("[handoff kernels ", rank0_handoffs, "]")), std::string::npos) << m;
+}
+
 // A batch's waits are one watched record: when it is stuck, the watchdog names the first wait whose
-// flag does not meet it. Rank 0 waits for data_ready from ranks 1 and 2 in one cuStreamBatchMemOp;
-// rank 1 signals it; rank 2 signals another bucket's (DesyncError naming rank 2), or nothing
-// (TimeoutError naming rank 2).
+// flag does not meet it (rank 0's two waits in one cuStreamBatchMemOp; ranks as processes).
 TEST(CudaCollectives, AStuckFlagBatchNamesItsFirstUnmetWait) {
   TIDE_REQUIRE_GPU();
   const int world = 3;
-  auto program = [&](int rank, uint32_t bucket, std::vector<Step> steps) {
-    Program p;
-    p.collective = Collective::kAllGather, p.rank = rank, p.world = world, p.bucket = bucket;
-    p.window_bytes = 4096, p.alignment = 256, p.steps = std::move(steps);
-    return p;
-  };
   for (const bool rank2_signals : {true, false}) {
     SCOPED_TRACE(rank2_signals ? "rank 2 signals bucket 8" : "rank 2 signals nothing");
     const harness::TempDir dir;
-    const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
-      select_device(rank);
-      auto window = CudaWindow::create(b, 4096);
-      cudaStream_t stream = nullptr;
-      CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      const Step signal{Phase::kDataReady, SignalOp{0, FlagKind::kDataReady}};
-      Program mine;
-      if (rank == 0)
-        mine = program(0, 7, {{Phase::kDataReady, WaitOp{1, FlagKind::kDataReady}},
-                              {Phase::kDataReady, WaitOp{2, FlagKind::kDataReady}}});
-      else
-        mine = program(rank, rank == 1 ? 7 : 8, rank == 2 && !rank2_signals ? std::vector<Step>{}
-                                                                            : std::vector<Step>{signal});
-      std::string outcome = "no error";
-      {
-        CudaExecutor executor(*window, stream, 2000ms);
-        try {
-          executor.run(mine, Bindings{});
-          executor.synchronize();
-        } catch (const Error& e) {
-          outcome = e.what();
-        }
-      }
-      b.barrier();  // every stream drained before any window goes away
-      CHECK_CUDA(cudaStreamDestroy(stream));
-      throw std::runtime_error(outcome);
+    const auto outcomes = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
+      return stuck_wait_outcome(world, rank, b, /*in_kernel=*/false, rank2_signals);
     }, gpu_ranks(dir)).reports;
-    const std::string& m = reports[0];
-    EXPECT_EQ(reports[1], "std::exception: no error");
-    EXPECT_EQ(reports[2], "std::exception: no error");
-    if (rank2_signals) {
-      EXPECT_NE(m.find("rank 0 runs bucket 7 all_gather at epoch 1 (phase data_ready) but rank 2 "
-                       "signalled bucket 8 all_gather"), std::string::npos) << m;
-    } else {
-      EXPECT_NE(m.find("rank 0: timed out after 2000 ms waiting for data_ready from rank 2"),
-                std::string::npos) << m;
-    }
+    expect_stuck_wait_outcomes(outcomes, rank2_signals, 0);
   }
 }
 
-// The same with the waits inside a handoff kernel (ranks as threads, so it runs): rank 0's
-// kCastToPeers tail signals and waits in the kernel, which spins until the watchdog diagnoses the
-// stuck wait as a stream wait's and releases it (the kernel then ends: no hang).
+// The same with the waits inside a handoff kernel (ranks as threads, so it runs): rank 0's kernel
+// spins until the watchdog diagnoses the stuck wait as a stream wait's and releases it through the
+// flags (the kernel then ends: no hang).
 TEST(CudaCollectives, AStuckHandoffKernelTimesOutLikeAStreamWait) {
   TIDE_REQUIRE_GPU();
   const int world = 3;
-  auto program = [&](int rank, uint32_t bucket, std::vector<Step> steps) {
-    Program p;
-    p.collective = Collective::kAllGather, p.rank = rank, p.world = world, p.bucket = bucket;
-    p.window_bytes = 4096, p.alignment = 256, p.steps = std::move(steps);
-    p.delivery = Delivery::kCastToPeers;
-    return p;
-  };
   for (const bool rank2_signals : {true, false}) {
     SCOPED_TRACE(rank2_signals ? "rank 2 signals bucket 8" : "rank 2 signals nothing");
     const harness::TempDir dir;
-    const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
-      const auto threads = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
-        ranks_are_threads = true;
-        select_device(rank);
-        auto window = CudaWindow::create(b, 4096);
-        cudaStream_t stream = nullptr;
-        CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        const Step signal{Phase::kDataReady, SignalOp{0, FlagKind::kDataReady}};
-        Program mine;
-        if (rank == 0)
-          mine = program(0, 7, {{Phase::kDataReady, SignalOp{1, FlagKind::kDataReady}},
-                                {Phase::kDataReady, SignalOp{2, FlagKind::kDataReady}},
-                                {Phase::kDataReady, WaitOp{1, FlagKind::kDataReady}},
-                                {Phase::kDataReady, WaitOp{2, FlagKind::kDataReady}}});
-        else
-          mine = program(rank, rank == 1 ? 7 : 8, rank == 2 && !rank2_signals ? std::vector<Step>{}
-                                                                              : std::vector<Step>{signal});
-        std::string outcome = "no error";
-        {
-          CudaExecutor executor(*window, stream, 2000ms);
-          try {
-            executor.run(mine, Bindings{});
-            executor.synchronize();
-          } catch (const Error& e) {
-            outcome = e.what();
-          }
-          outcome += detail::concat(" [handoff kernels ", executor.stats().handoff_kernels, "]");
-        }
-        b.barrier();  // every stream drained before any window goes away
-        window.reset();
-        CHECK_CUDA(cudaStreamDestroy(stream));
-        throw std::runtime_error(outcome);
-      }, kThreadRankTimeout);
-      std::string all;
-      for (const std::string& r : threads) all += r + "\n";
-      return all;
-    }, gpu_ranks(dir, 120s)).reports;
-    const std::string& m = reports[0];
-    EXPECT_NE(m.find("std::exception: no error [handoff kernels 0]\nstd::exception: no error "
-                     "[handoff kernels 0]\n"), std::string::npos) << m;
-    EXPECT_NE(m.find("[handoff kernels 1]"), std::string::npos) << m;
-    if (rank2_signals) {
-      EXPECT_NE(m.find("rank 0 runs bucket 7 all_gather at epoch 1 (phase data_ready) but rank 2 "
-                       "signalled bucket 8 all_gather"), std::string::npos) << m;
-    } else {
-      EXPECT_NE(m.find("rank 0: timed out after 2000 ms waiting for data_ready from rank 2"),
-                std::string::npos) << m;
-    }
+    const auto outcomes = thread_ranks_in_a_child(world, dir, [&](int rank, Bootstrap& b) {
+      return stuck_wait_outcome(world, rank, b, /*in_kernel=*/true, rank2_signals);
+    });
+    expect_stuck_wait_outcomes(outcomes, rank2_signals, 1);
   }
 }
 
