@@ -11,6 +11,7 @@
 // are device pointers. All results are bitwise identical to HostExecutor's on the same inputs.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -134,6 +135,10 @@ class CudaWindow {
   std::vector<Peer> peers_;
   std::vector<uint64_t> net_sent_, net_received_;
   uint64_t epoch_ = 0;
+  // One executor per window (CudaExecutor checks): its collectives share the window's slots,
+  // flags and CTA counter, so they must run one at a time, in epoch order.
+  friend class CudaExecutor;
+  std::atomic<bool> has_executor_{false};
 };
 
 // A fixed device address range that shows a VMM window's data: reserve it once per bucket, then
@@ -249,6 +254,8 @@ class CudaExecutor final : public Executor {
   // stream; a stuck transfer is a TimeoutError, one whose peer runs another collective a
   // DesyncError, both naming peer, transfer, bucket, phase and epoch); otherwise multi-node
   // programs are rejected.
+  //
+  // One executor per window at a time: InvalidArgument if `window` has one already.
   CudaExecutor(CudaWindow& window, void* stream,
                std::chrono::milliseconds timeout = default_timeout(), NcclComm* network = nullptr);
   // Waits for enqueued work (a stuck wait still ends within the timeout), then stops the watchdog.
@@ -259,6 +266,8 @@ class CudaExecutor final : public Executor {
   int rank() const override;
   int world() const override;
   // Later runs go to `stream`; work already enqueued stays where it is (synchronize() waits for it).
+  // Runs on one window must not overlap (they share its slots, flags and CTA counter): order
+  // `stream` after the last run's stream first, as tide.fsdp does with the window's `ready` event.
   void set_stream(void* stream);
   void* stream() const;
 

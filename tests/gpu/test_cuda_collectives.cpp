@@ -917,6 +917,30 @@ TEST(CudaCollectives, ReduceScatterUnderReduceBudgetsMatchesHostExecutor) {
   EXPECT_EQ(reports[0].rfind("InvalidArgument: TIDE_CUDA_REDUCE_BUDGET='ctas=lots'", 0), 0u) << reports[0];
 }
 
+TEST(CudaCollectives, OneExecutorPerWindow) {
+  TIDE_REQUIRE_GPU();
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    auto window = CudaWindow::create(b, 4096);
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    {
+      CudaExecutor first(*window, stream, 1000ms);
+      std::string second;
+      try {
+        CudaExecutor executor(*window, stream, 1000ms);
+      } catch (const InvalidArgument& e) {
+        second = e.what();
+      }
+      if (second.rfind("CudaExecutor: window = rank 0's window, which has an executor", 0) != 0)
+        throw std::runtime_error("second executor: '" + second + "'");
+    }
+    CudaExecutor after_the_first(*window, stream, 1000ms);  // the first one's destructor let go
+  }, gpu_ranks(dir)).reports;
+  EXPECT_EQ(reports[0], "ok");
+}
+
 TEST(CudaCollectives, RejectsBadBindingsBeforeEnqueuing) {
   TIDE_REQUIRE_GPU();
   const BucketLayout layout({{"w", {8, 8}, DType::kBF16, DType::kFP32}}, Topology::single_node(1));

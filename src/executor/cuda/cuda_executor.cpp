@@ -229,30 +229,39 @@ void CudaExecutor::Impl::collect_timings() {
 CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::milliseconds timeout,
                            NcclComm* network)
     : impl_(std::make_unique<Impl>(window, stream, timeout, network)) {
-  TIDE_CHECK_ARG(timeout.count() > 0, "CudaExecutor", "timeout_ms", timeout.count(), "> 0");
-  if (network) {
-    TIDE_CHECK_ARG(network->world() == window.world() && network->rank() == window.rank(),
-                   "CudaExecutor", "network",
-                   detail::concat("rank ", network->rank(), " of ", network->world()),
-                   detail::concat("rank ", window.rank(), " of ", window.world(),
-                                  " (the window's: NCCL rank i must be TIDE rank i)"));
-    TIDE_CHECK_ARG(network->device() == window.device(), "CudaExecutor", "network device",
-                   network->device(), detail::concat(window.device(), " (the window's device)"));
+  TIDE_CHECK_ARG(!window.has_executor_.exchange(true), "CudaExecutor", "window",
+                 detail::concat("rank ", window.rank(), "'s window, which has an executor"),
+                 "a window without one (one executor per window: its collectives share the "
+                 "window's slots and flags, so they run one at a time)");
+  try {
+    TIDE_CHECK_ARG(timeout.count() > 0, "CudaExecutor", "timeout_ms", timeout.count(), "> 0");
+    if (network) {
+      TIDE_CHECK_ARG(network->world() == window.world() && network->rank() == window.rank(),
+                     "CudaExecutor", "network",
+                     detail::concat("rank ", network->rank(), " of ", network->world()),
+                     detail::concat("rank ", window.rank(), " of ", window.world(),
+                                    " (the window's: NCCL rank i must be TIDE rank i)"));
+      TIDE_CHECK_ARG(network->device() == window.device(), "CudaExecutor", "network device",
+                     network->device(), detail::concat(window.device(), " (the window's device)"));
+    }
+    int device = 0;
+    TIDE_CUDA_CHECK(cudaGetDevice(&device));
+    TIDE_CHECK_ARG(device == window.device(), "CudaExecutor", "current device", device,
+                   detail::concat(window.device(), " (the window's device)"));
+    cuda_kernels::preload_kernels();
+    // Reads TIDE_CUDA_CTAS_PER_SM and TIDE_CUDA_REDUCE_BUDGET now: a bad value must not first
+    // throw mid-collective.
+    cuda_kernels::default_max_ctas();
+    impl_->reduce_budget = CudaReduceBudget::from_env();
+    impl_->marks.emplace();
+    TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->side_stream, cudaStreamNonBlocking));
+    impl_->staging.resize(static_cast<std::size_t>(kNumFlagKinds) * window.world());
+    impl_->streams_used.push_back(impl_->stream);
+    impl_->watchdog = std::thread([impl = impl_.get()] { impl->watchdog_loop(); });
+  } catch (...) {
+    window.has_executor_ = false;
+    throw;
   }
-  int device = 0;
-  TIDE_CUDA_CHECK(cudaGetDevice(&device));
-  TIDE_CHECK_ARG(device == window.device(), "CudaExecutor", "current device", device,
-                 detail::concat(window.device(), " (the window's device)"));
-  cuda_kernels::preload_kernels();
-  // Reads TIDE_CUDA_CTAS_PER_SM and TIDE_CUDA_REDUCE_BUDGET now: a bad value must not first
-  // throw mid-collective.
-  cuda_kernels::default_max_ctas();
-  impl_->reduce_budget = CudaReduceBudget::from_env();
-  impl_->marks.emplace();
-  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->side_stream, cudaStreamNonBlocking));
-  impl_->staging.resize(static_cast<std::size_t>(kNumFlagKinds) * window.world());
-  impl_->streams_used.push_back(impl_->stream);
-  impl_->watchdog = std::thread([impl = impl_.get()] { impl->watchdog_loop(); });
 }
 
 CudaExecutor::~CudaExecutor() {
@@ -287,6 +296,7 @@ CudaExecutor::~CudaExecutor() {
   }
   (void)cudaStreamDestroy(d.side_stream);
   (void)cudaGetLastError();
+  d.window.has_executor_ = false;
 }
 
 int CudaExecutor::rank() const { return impl_->window.rank(); }

@@ -328,14 +328,18 @@ __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* word) {
   return value;
 }
 
-__device__ __forceinline__ void copy_tile(const CopyTask& task, int64_t begin, int64_t end) {
-  if (task.vectorized) {
-    for (int64_t b = begin + threadIdx.x * 16; b < end; b += kThreadsPerCta * 16)
-      *reinterpret_cast<uint4*>(task.dst + b) =
-          b < task.bytes ? *reinterpret_cast<const uint4*>(task.src + b) : make_uint4(0, 0, 0, 0);
+// Bytes [begin, end) of dst from src, zeros past `valid`: this thread takes every `lanes`-th
+// 16-B vector (every `lanes`-th byte unless `vectorized`: pointers, begin, end and valid all
+// multiples of 16) from `lane` on. The handoff kernel's copies and the IPC network's pull.
+__device__ __forceinline__ void copy_bytes(std::byte* dst, const std::byte* src, uint64_t begin,
+                                           uint64_t end, uint64_t valid, uint64_t lane,
+                                           uint64_t lanes, bool vectorized) {
+  if (vectorized) {
+    for (uint64_t b = begin + lane * 16; b < end; b += lanes * 16)
+      *reinterpret_cast<uint4*>(dst + b) =
+          b < valid ? *reinterpret_cast<const uint4*>(src + b) : make_uint4(0, 0, 0, 0);
   } else {
-    for (int64_t b = begin + threadIdx.x; b < end; b += kThreadsPerCta)
-      task.dst[b] = b < task.bytes ? task.src[b] : std::byte{0};
+    for (uint64_t b = begin + lane; b < end; b += lanes) dst[b] = b < valid ? src[b] : std::byte{0};
   }
 }
 
@@ -349,7 +353,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) handoff_kernel(const __grid
     while (t + 1 < table.num_copies && table.copies[t + 1].tile_begin <= tile) ++t;
     const CopyTask& task = table.copies[t];
     const int64_t begin = (tile - task.tile_begin) * kCopyTileBytes;
-    copy_tile(task, begin, min(begin + kCopyTileBytes, task.total));
+    copy_bytes(task.dst, task.src, begin, min(begin + kCopyTileBytes, task.total), task.bytes,
+               threadIdx.x, kThreadsPerCta, task.vectorized);
   }
   if (table.num_signals > 0) {
     // The CTA's stores, peers' windows included, before its arrival: the barrier, then one
@@ -358,7 +363,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) handoff_kernel(const __grid
     if (threadIdx.x == 0) __threadfence_system();
     if (threadIdx.x == 0 && atomicAdd(table.arrivals, 1u) + 1 == gridDim.x) {
       // The last CTA: every other CTA fenced before it arrived. The next launch on this window
-      // comes after this one (one collective at a time per window), so it finds 0.
+      // comes after this one (one executor per window, its runs one at a time), so it finds 0.
       atomicExch(table.arrivals, 0u);
       __threadfence_system();
       for (int k = 0; k < table.num_signals; ++k) {
@@ -399,17 +404,13 @@ __global__ void __launch_bounds__(kThreadsPerCta) net_pull_kernel(const uint64_t
   const uint64_t from = *reinterpret_cast<const volatile uint64_t*>(offset);
   if (from > limit || bytes > limit - from) return;
   const std::byte* src = peer_data + from;
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  std::size_t k = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
-  if ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0) {
-    const std::size_t vectors = bytes / 16;
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    for (std::size_t v = k; v < vectors; v += stride) d[v] = s[v];
-    for (std::size_t b = vectors * 16 + k; b < bytes; b += stride) dst[b] = src[b];
-  } else {
-    for (std::size_t b = k; b < bytes; b += stride) dst[b] = src[b];
-  }
+  const uint64_t lane = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+  const uint64_t lanes = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  // The 16-B vectors, then the tail byte by byte (the offset a peer sends need not be aligned).
+  const bool aligned = (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0;
+  const uint64_t vector_bytes = aligned ? bytes / 16 * 16 : 0;
+  copy_bytes(dst, src, 0, vector_bytes, vector_bytes, lane, lanes, true);
+  copy_bytes(dst, src, vector_bytes, bytes, bytes, lane, lanes, false);
 }
 
 // ---- Host side. ------------------------------------------------------------------------------
