@@ -8,6 +8,9 @@
 // Reported: the median over rounds of (round time / 64), per kind and thread count. The launches
 // are timed on an idle stream and, as a run's reduce is (it follows the data_ready wait, usually
 // not yet met when the host enqueues it), behind a stream wait that is released after the round.
+// And the GPU's time per call (1 thread): 64 calls enqueued behind an unmet stream wait between
+// two events, then released, so the GPU runs them back to back with no host in the way: the part
+// of a collective's chain that each call adds on the device.
 #include <array>
 #include <barrier>
 #include <chrono>
@@ -30,9 +33,10 @@ struct CallKind {
   bool behind_wait = false;  // enqueued behind a stream wait that is not met yet
 };
 
-constexpr std::array<CallKind, 10> kKinds{{
+constexpr std::array<CallKind, 11> kKinds{{
     {"event record", "cudaEventRecord (the watchdog's events)"},
     {"memop signal", "cuStreamBatchMemOp, 2 writes (one signal)"},
+    {"memop 1 write", "cuStreamBatchMemOp, 1 write (half a signal)"},
     {"memop wait", "cuStreamBatchMemOp, 2 waits, already met (one wait)"},
     {"memop signal+wait", "cuStreamBatchMemOp, 2 writes + 2 waits (merged)"},
     {"copy batch", "cudaMemcpyBatchAsync, 1 copy (a push)"},
@@ -99,16 +103,18 @@ void call_once(int kind, Lane& lane) {
     case 0: BCHECK(cudaEventRecord(lane.event, lane.stream)); break;
     case 1:
     case 2:
-    case 3: {
+    case 3:
+    case 4: {
       std::array<CUstreamBatchMemOpParams, 4> ops;
       unsigned n = 0;
-      if (kind != 2) ops[n++] = mem_op(false, word + 1), ops[n++] = mem_op(false, word + 1);
-      if (kind != 1) ops[n++] = mem_op(true, word), ops[n++] = mem_op(true, word);
+      const unsigned writes = kind == 1 || kind == 4 ? 2 : kind == 2 ? 1 : 0;
+      for (unsigned w = 0; w < writes; ++w) ops[n++] = mem_op(false, word + 1);
+      if (kind >= 3) ops[n++] = mem_op(true, word), ops[n++] = mem_op(true, word);
       if (api.stream_batch_mem_op(lane.stream, n, ops.data(), 0) != CUDA_SUCCESS)
         throw std::runtime_error("cuStreamBatchMemOp failed");
       break;
     }
-    case 4: {
+    case 5: {
       cudaMemcpyAttributes attributes{};
       attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
@@ -119,19 +125,19 @@ void call_once(int kind, Lane& lane) {
                                   lane.stream));
       break;
     }
-    case 5:
+    case 6:
       BCHECK(cudaMemcpyAsync(lane.dst.ptr, lane.src.ptr, kCopyBytes, cudaMemcpyDeviceToDevice,
                              lane.stream));
       break;
-    case 6:
-    case 8: {
+    case 7:
+    case 9: {
       const cuda_kernels::CastSpec spec{lane.src.ptr, lane.dst.ptr, kCopyBytes / 4, 0,
                                         cuda_kernels::kFP32, cuda_kernels::kBF16};
       cuda_kernels::launch_casts(&spec, 1, 0, lane.stream);
       break;
     }
-    case 7:
-    case 9: {  // bf16 sources (the src buffer twice) -> fp32, as the RS's reduce
+    case 8:
+    case 10: {  // bf16 sources (the src buffer twice) -> fp32, as the RS's reduce
       const void* sources[2] = {lane.src.ptr, lane.src.ptr};
       const cuda_kernels::ReduceSpec spec{sources, lane.dst.ptr, nullptr, kCopyBytes / 4, 1.0f, 0.5f,
                                           false, cuda_kernels::kBF16, cuda_kernels::kFP32};
@@ -172,22 +178,48 @@ double time_kind(int kind, int threads, int rounds) {
   return slowest;
 }
 
+// Median GPU µs per call of `kind` (one thread): the calls run back to back on the device.
+double gpu_time_kind(int kind, int rounds) {
+  Lane lane;
+  cudaEvent_t start = nullptr, end = nullptr;
+  BCHECK(cudaEventCreate(&start));
+  BCHECK(cudaEventCreate(&end));
+  std::vector<double> us;
+  for (int r = 0; r < rounds; ++r) {
+    lane.block();
+    BCHECK(cudaEventRecord(start, lane.stream));
+    for (int c = 0; c < kCallsPerRound; ++c) call_once(kind, lane);
+    BCHECK(cudaEventRecord(end, lane.stream));
+    lane.release();
+    BCHECK(cudaStreamSynchronize(lane.stream));
+    float ms = 0;
+    BCHECK(cudaEventElapsedTime(&ms, start, end));
+    us.push_back(1000.0 * ms / kCallsPerRound);
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(end);
+  return median(us);
+}
+
 }  // namespace
 
 void driver_calls_child(const Args& args) {
   select_device(0);
   cuda_kernels::preload_kernels();
-  std::printf("\n# Host time per driver call (one context; 1 thread, and 2 threads at once, each on its own stream)\n"
-              "%-20s %12s %12s  %s\n", "call", "1 thread us", "2 threads us", "what");
+  std::printf("\n# Host time per driver call (one context; 1 thread, and 2 threads at once, each on its own stream),\n"
+              "# and the GPU's time per call run back to back (1 thread)\n"
+              "%-20s %12s %12s %10s  %s\n", "call", "1 thread us", "2 threads us", "GPU us", "what");
   for (int kind = 0; kind < static_cast<int>(kKinds.size()); ++kind) {
     const double one = time_kind(kind, 1, args.iters), two = time_kind(kind, 2, args.iters);
-    std::printf("%-20s %12.2f %12.2f  %s\n", kKinds[kind].name, one, two, kKinds[kind].what);
+    const double gpu = gpu_time_kind(kind, args.iters);
+    std::printf("%-20s %12.2f %12.2f %10.2f  %s\n", kKinds[kind].name, one, two, gpu,
+                kKinds[kind].what);
     Row r;
     r.section = "calls";
     r.label = kKinds[kind].name;
     r.time_us = one;
     char note[64];
-    std::snprintf(note, sizeof note, "2 threads: %.2f us", two);
+    std::snprintf(note, sizeof note, "2 threads: %.2f us; GPU %.2f us", two, gpu);
     r.note = note;
     append_row(r);
   }
