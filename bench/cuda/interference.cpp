@@ -134,8 +134,8 @@ void interference_one_gpu(const Args& args) {
           CudaExecutor executor(*window, stream);
           executor.enable_stats(true);
           executor.run(program, bindings);
-          rs_cta_us[rank] = executor.stats().reduce_cta_us + executor.stats().cast_cta_us +
-                            executor.stats().handoff_cta_us;
+          const auto stats = executor.stats();  // waits for the stream: call it once
+          rs_cta_us[rank] = stats.reduce_cta_us + stats.cast_cta_us + stats.handoff_cta_us;
           executor.enable_stats(false);
           ready.count_down(), counted_ready = true;
           go.wait();

@@ -795,35 +795,35 @@ void expect_stuck_wait_outcomes(const std::vector<std::string>& outcomes, bool r
   EXPECT_NE(m.find(detail::concat("[handoff kernels ", rank0_handoffs, "]")), std::string::npos) << m;
 }
 
-// A batch's waits are one watched record: when it is stuck, the watchdog names the first wait whose
-// flag does not meet it (rank 0's two waits in one cuStreamBatchMemOp; ranks as processes).
-TEST(CudaCollectives, AStuckFlagBatchNamesItsFirstUnmetWait) {
-  TIDE_REQUIRE_GPU();
+// Both stuck-wait cases, with and without rank 2's signal: the waits as one memop batch (ranks as
+// processes) or inside a handoff kernel (ranks as threads, one context, so the kernel runs).
+void run_stuck_wait_cases(bool in_kernel) {
   const int world = 3;
   for (const bool rank2_signals : {true, false}) {
     SCOPED_TRACE(rank2_signals ? "rank 2 signals bucket 8" : "rank 2 signals nothing");
     const harness::TempDir dir;
-    const auto outcomes = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
-      return stuck_wait_outcome(world, rank, b, /*in_kernel=*/false, rank2_signals);
-    }, gpu_ranks(dir)).reports;
-    expect_stuck_wait_outcomes(outcomes, rank2_signals, 0);
+    const auto body = [&](int rank, Bootstrap& b) {
+      return stuck_wait_outcome(world, rank, b, in_kernel, rank2_signals);
+    };
+    const auto outcomes = in_kernel ? thread_ranks_in_a_child(world, dir, body)
+                                    : harness::run_rank_processes(world, body, gpu_ranks(dir)).reports;
+    expect_stuck_wait_outcomes(outcomes, rank2_signals, in_kernel ? 1 : 0);
   }
 }
 
-// The same with the waits inside a handoff kernel (ranks as threads, so it runs): rank 0's kernel
-// spins until the watchdog diagnoses the stuck wait as a stream wait's and releases it through the
-// flags (the kernel then ends: no hang).
+// A batch's waits are one watched record: when it is stuck, the watchdog names the first wait whose
+// flag does not meet it (rank 0's two waits in one cuStreamBatchMemOp).
+TEST(CudaCollectives, AStuckFlagBatchNamesItsFirstUnmetWait) {
+  TIDE_REQUIRE_GPU();
+  run_stuck_wait_cases(/*in_kernel=*/false);
+}
+
+// The same with the waits inside a handoff kernel: rank 0's kernel spins until the watchdog
+// diagnoses the stuck wait as a stream wait's and releases it through the flags (the kernel then
+// ends: no hang).
 TEST(CudaCollectives, AStuckHandoffKernelTimesOutLikeAStreamWait) {
   TIDE_REQUIRE_GPU();
-  const int world = 3;
-  for (const bool rank2_signals : {true, false}) {
-    SCOPED_TRACE(rank2_signals ? "rank 2 signals bucket 8" : "rank 2 signals nothing");
-    const harness::TempDir dir;
-    const auto outcomes = thread_ranks_in_a_child(world, dir, [&](int rank, Bootstrap& b) {
-      return stuck_wait_outcome(world, rank, b, /*in_kernel=*/true, rank2_signals);
-    });
-    expect_stuck_wait_outcomes(outcomes, rank2_signals, 1);
-  }
+  run_stuck_wait_cases(/*in_kernel=*/true);
 }
 
 // The IPC network's failures: two virtual nodes (one rank each, so the first wait is a network

@@ -343,19 +343,24 @@ __device__ __forceinline__ void copy_bytes(std::byte* dst, const std::byte* src,
   }
 }
 
+// Tile `tile` of a table's copy tasks; `t` as cast_table_tile's.
+__device__ __forceinline__ void copy_table_tile(const CopyTask* tasks, int num_tasks, int64_t tile,
+                                                int& t) {
+  while (t + 1 < num_tasks && tasks[t + 1].tile_begin <= tile) ++t;
+  const CopyTask& task = tasks[t];
+  const int64_t begin = (tile - task.tile_begin) * kCopyTileBytes;
+  copy_bytes(task.dst, task.src, begin, min(begin + kCopyTileBytes, task.total), task.bytes,
+             threadIdx.x, kThreadsPerCta, task.vectorized);
+}
+
 // kernels.cuh says what it does and why; FlagWord is {epoch, tag}.
 __global__ void __launch_bounds__(kThreadsPerCta, 4) handoff_kernel(const __grid_constant__ HandoffTable table) {
   int t = 0;
   for (int64_t tile = blockIdx.x; tile < table.cast_tiles; tile += gridDim.x)
     cast_table_tile(table.casts, table.num_casts, tile, t);
   t = 0;
-  for (int64_t tile = blockIdx.x; tile < table.copy_tiles; tile += gridDim.x) {
-    while (t + 1 < table.num_copies && table.copies[t + 1].tile_begin <= tile) ++t;
-    const CopyTask& task = table.copies[t];
-    const int64_t begin = (tile - task.tile_begin) * kCopyTileBytes;
-    copy_bytes(task.dst, task.src, begin, min(begin + kCopyTileBytes, task.total), task.bytes,
-               threadIdx.x, kThreadsPerCta, task.vectorized);
-  }
+  for (int64_t tile = blockIdx.x; tile < table.copy_tiles; tile += gridDim.x)
+    copy_table_tile(table.copies, table.num_copies, tile, t);
   if (table.num_signals > 0) {
     // The CTA's stores, peers' windows included, before its arrival: the barrier, then one
     // system-wide fence by the thread that arrives (cumulative over the barrier, as a grid sync).
