@@ -118,14 +118,14 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     double median_us = 0, sm_cta_us = 0, host_us = 0, loop_us = 0;
     bool batched = true;
     unsigned long long wrong = 0;
-    std::string prefix_times;  // --prefixes: "<time> <host>" per prefix length 1..n
+    std::string prefix_times;  // --prefixes: "<time> <host> <loop>" per prefix length 1..n
     {
       CudaExecutor executor(*window, stream, default_timeout(), network.get());
       // Median time per run of `p` back to back, and the host's median wall time in run()
       // (enqueueing, no waiting).
-      // And (loop_us) the same number of runs between one pair of events, divided by the count,
+      // And (run_loop_us) the same number of runs between one pair of events, divided by the count,
       // as nccl-tests times: no timing event between two runs.
-      auto time_runs = [&](const Program& p, double& time_us, double& run_host_us) {
+      auto time_runs = [&](const Program& p, double& time_us, double& run_host_us, double& run_loop_us) {
         for (int w = 0; w < args.warmup; ++w) executor.run(p, bindings);
         executor.synchronize();
         bootstrap.barrier();
@@ -145,7 +145,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
         });
         executor.synchronize();
         bootstrap.barrier();
-        loop_us = loop[0] / args.iters;
+        run_loop_us = loop[0] / args.iters;
       };
       // A program's first k steps are a program every rank runs alike (the ranks' programs have
       // the same shape): what the chain's k-th step adds to a run is the difference of two rows.
@@ -153,13 +153,13 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
         for (std::size_t k = 1; k < program.steps.size(); ++k) {
           Program prefix = program;
           prefix.steps.resize(k);
-          double t = 0, h = 0;
-          time_runs(prefix, t, h);
+          double t = 0, h = 0, l = 0;
+          time_runs(prefix, t, h, l);
           char entry[64];
-          std::snprintf(entry, sizeof entry, "%.3f %.3f %.3f ", t, h, loop_us);
+          std::snprintf(entry, sizeof entry, "%.3f %.3f %.3f ", t, h, l);
           prefix_times += entry;
         }
-      time_runs(program, median_us, host_us);
+      time_runs(program, median_us, host_us, loop_us);
       executor.enable_stats(true);
       executor.reset_stats();
       executor.run(program, bindings);
