@@ -58,6 +58,8 @@ struct Args {
   std::size_t g_mib = 256;          // bf16 gradient per rank
   double nvlink_gbps = 380;         // what NVLink delivers into one GPU, in all
   std::size_t pace_chunk_kib = 2048;  // pieces the paced copies are released in
+  std::string pace = "flags";         // flags: pieces released on a timed schedule; self: pieces
+                                      // back to back, sized so that alone they run at nvlink_gbps
   int nccl_ctas = 32;               // the NCCL stand-in's persistent CTAs
   int gemms = 200;                  // timed GEMMs per case and repeat, at least
   int repeats = 4;                  // rounds over all cases (samples pooled)

@@ -23,6 +23,7 @@
 //                                      (and a PNG via bench/plot_rank_interference.py if python3
 //                                      and matplotlib exist). Options: --g-mib N (256),
 //                                      --nvlink-gbps X (380), --pace-chunk-kib N (2048),
+//                                      --pace flags|self (flags),
 //                                      --nccl-ctas N (32), --gemms N (200), --repeats N (4),
 //                                      --sweep-ctas LIST (8,16,32,66,132,264), --sweep-tiles LIST
 //                                      (1,4,persistent), --sweep-priority LIST (normal,low),
@@ -130,6 +131,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--g-mib") args.g_mib = std::stoul(value());
     else if (a == "--nvlink-gbps") args.nvlink_gbps = std::stod(value());
     else if (a == "--pace-chunk-kib") args.pace_chunk_kib = std::stoul(value());
+    else if (a == "--pace") args.pace = value();
     else if (a == "--nccl-ctas") args.nccl_ctas = std::stoi(value());
     else if (a == "--gemms") args.gemms = std::stoi(value());
     else if (a == "--repeats") args.repeats = std::stoi(value());

@@ -8,13 +8,15 @@
 // Reported: the median over rounds of (round time / 64), per kind and thread count. The launches
 // are timed on an idle stream and, as a run's reduce is (it follows the data_ready wait, usually
 // not yet met when the host enqueues it), behind a stream wait that is released after the round.
-// And the GPU's time per call (1 thread): 64 calls enqueued behind an unmet stream wait between
-// two events, then released, so the GPU runs them back to back with no host in the way: the part
-// of a collective's chain that each call adds on the device.
+// And the GPU's time per call, by 1 and by 2 threads at once: 64 calls enqueued behind an unmet
+// stream wait between two events, then released, so the GPU runs them back to back with no host
+// in the way: the part of a collective's chain that each call adds on the device.
+#include <algorithm>
 #include <array>
 #include <barrier>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <thread>
 
 #include "bench_common.hpp"
@@ -33,7 +35,7 @@ struct CallKind {
   bool behind_wait = false;  // enqueued behind a stream wait that is not met yet
 };
 
-constexpr std::array<CallKind, 11> kKinds{{
+constexpr std::array<CallKind, 14> kKinds{{
     {"event record", "cudaEventRecord (the watchdog's events)"},
     {"memop signal", "cuStreamBatchMemOp, 2 writes (one signal)"},
     {"memop 1 write", "cuStreamBatchMemOp, 1 write (half a signal)"},
@@ -45,13 +47,17 @@ constexpr std::array<CallKind, 11> kKinds{{
     {"reduce launch", "launch_reduces, 1 reduce of 2 sources, default grid (RS's last step)"},
     {"cast, blocked", "launch_casts, behind an unmet stream wait", true},
     {"reduce, blocked", "launch_reduces, behind an unmet stream wait (as in a run)", true},
+    {"timed event+signal", "cudaEventRecord of a timing event, then a memop signal (a bench's run of one signal)"},
+    {"timed event+cast", "cudaEventRecord of a timing event, then a cast launch"},
+    {"timed event", "cudaEventRecord of a timing event"},
 }};
 
 // One thread's resources: its stream, flag words (word 2 holds the blocked kinds' stream, and a
 // second stream releases it), copy buffers, an event.
 struct Lane {
   cudaStream_t stream = nullptr, releaser = nullptr;
-  cudaEvent_t event = nullptr;
+  cudaEvent_t event = nullptr, timed = nullptr;
+  cudaEvent_t start = nullptr, end = nullptr;  // the GPU columns' timing
   DeviceMemory word{64};
   DeviceMemory src{kCopyBytes}, dst{kCopyBytes};
   uint64_t gate = 0;  // the blocking wait's value: word 2 >= gate
@@ -59,10 +65,16 @@ struct Lane {
     BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     BCHECK(cudaStreamCreateWithFlags(&releaser, cudaStreamNonBlocking));
     BCHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    BCHECK(cudaEventCreate(&timed));
+    BCHECK(cudaEventCreate(&start));
+    BCHECK(cudaEventCreate(&end));
     BCHECK(cudaMemset(word.ptr, 0, 64));
   }
   ~Lane() {
     (void)cudaEventDestroy(event);
+    (void)cudaEventDestroy(timed);
+    (void)cudaEventDestroy(start);
+    (void)cudaEventDestroy(end);
     (void)cudaStreamDestroy(releaser);
     (void)cudaStreamDestroy(stream);
   }
@@ -72,6 +84,13 @@ struct Lane {
     if (cuda_detail::driver_api().stream_wait_value64(stream, gate_word(), ++gate,
                                                       CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
       throw std::runtime_error("cuStreamWaitValue64 failed");
+  }
+  // µs from `start` to `end`, once the stream has drained.
+  double elapsed_us() {
+    BCHECK(cudaStreamSynchronize(stream));
+    float ms = 0;
+    BCHECK(cudaEventElapsedTime(&ms, start, end));
+    return 1000.0 * ms;
   }
   void release() {
     if (cuda_detail::driver_api().stream_write_value64(releaser, gate_word(), gate,
@@ -144,11 +163,21 @@ void call_once(int kind, Lane& lane) {
       cuda_kernels::launch_reduces(&spec, 1, 2, cuda_kernels::ReduceGrid{0, 0}, lane.stream);
       break;
     }
+    case 11:
+    case 12:
+    case 13:
+      BCHECK(cudaEventRecord(lane.timed, lane.stream));
+      if (kind != 13) call_once(kind == 11 ? 1 : 7, lane);
+      break;
   }
 }
 
-// Median host µs per call of `kind`, on each of `threads` threads at once (the slowest thread's).
-double time_kind(int kind, int threads, int rounds) {
+// The slowest of `threads` threads' medians: each thread runs `warm_up` (if any) once, then
+// `round` `rounds` times on its own Lane (the barrier lets rounds start together), which reports
+// a µs figure per round.
+using Round = std::function<double(Lane&, std::barrier<>&)>;
+double slowest_median(int threads, int rounds, const Round& round,
+                      const std::function<void(Lane&)>& warm_up = {}) {
   std::vector<double> per_thread(threads);
   std::barrier sync(threads);
   std::vector<std::thread> pool;
@@ -156,49 +185,60 @@ double time_kind(int kind, int threads, int rounds) {
     pool.emplace_back([&, t] {
       BCHECK(cudaSetDevice(0));
       Lane lane;
-      for (int w = 0; w < kCallsPerRound; ++w) call_once(kind, lane);
-      BCHECK(cudaStreamSynchronize(lane.stream));
+      if (warm_up) warm_up(lane);
       std::vector<double> us;
-      const bool blocked = kKinds[kind].behind_wait;
-      for (int r = 0; r < rounds; ++r) {
-        if (blocked) lane.block();
-        sync.arrive_and_wait();
-        const auto start = std::chrono::steady_clock::now();
-        for (int c = 0; c < kCallsPerRound; ++c) call_once(kind, lane);
-        us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
-                     kCallsPerRound);
-        if (blocked) lane.release();
-        BCHECK(cudaStreamSynchronize(lane.stream));
-      }
+      for (int r = 0; r < rounds; ++r) us.push_back(round(lane, sync));
       per_thread[t] = median(us);
     });
   for (auto& th : pool) th.join();
-  double slowest = 0;
-  for (double v : per_thread) slowest = std::max(slowest, v);
-  return slowest;
+  return *std::max_element(per_thread.begin(), per_thread.end());
 }
 
-// Median GPU µs per call of `kind` (one thread): the calls run back to back on the device.
-double gpu_time_kind(int kind, int rounds) {
-  Lane lane;
-  cudaEvent_t start = nullptr, end = nullptr;
-  BCHECK(cudaEventCreate(&start));
-  BCHECK(cudaEventCreate(&end));
-  std::vector<double> us;
-  for (int r = 0; r < rounds; ++r) {
-    lane.block();
-    BCHECK(cudaEventRecord(start, lane.stream));
-    for (int c = 0; c < kCallsPerRound; ++c) call_once(kind, lane);
-    BCHECK(cudaEventRecord(end, lane.stream));
-    lane.release();
+// Host µs per call of `kind`, on each of `threads` threads at once.
+double time_kind(int kind, int threads, int rounds) {
+  const bool blocked = kKinds[kind].behind_wait;
+  const auto warm_up = [&](Lane& lane) {
+    for (int w = 0; w < kCallsPerRound; ++w) call_once(kind, lane);
     BCHECK(cudaStreamSynchronize(lane.stream));
-    float ms = 0;
-    BCHECK(cudaEventElapsedTime(&ms, start, end));
-    us.push_back(1000.0 * ms / kCallsPerRound);
-  }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(end);
-  return median(us);
+  };
+  return slowest_median(threads, rounds, [&](Lane& lane, std::barrier<>& sync) {
+    if (blocked) lane.block();
+    sync.arrive_and_wait();
+    const auto start = std::chrono::steady_clock::now();
+    for (int c = 0; c < kCallsPerRound; ++c) call_once(kind, lane);
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+    if (blocked) lane.release();
+    BCHECK(cudaStreamSynchronize(lane.stream));
+    return us / kCallsPerRound;
+  }, warm_up);
+}
+
+// GPU µs per call of `kind`, on each of `threads` threads at once: each thread's 64 calls wait
+// behind an unmet stream wait between two events, and every thread releases its stream at the
+// same moment, so the GPU runs all of them back to back, side by side.
+double gpu_time_kind(int kind, int threads, int rounds) {
+  return slowest_median(threads, rounds, [&](Lane& lane, std::barrier<>& sync) {
+    lane.block();
+    BCHECK(cudaEventRecord(lane.start, lane.stream));
+    for (int c = 0; c < kCallsPerRound; ++c) call_once(kind, lane);
+    BCHECK(cudaEventRecord(lane.end, lane.stream));
+    sync.arrive_and_wait();
+    lane.release();
+    return lane.elapsed_us() / kCallsPerRound;
+  });
+}
+
+// GPU µs from an event to the next one with one call between, on an idle stream (drained before
+// each): what one call costs a chain whose host enqueues each step only just in time.
+double idle_gpu_time_kind(int kind, int rounds) {
+  return slowest_median(1, rounds, [&](Lane& lane, std::barrier<>&) {
+    BCHECK(cudaStreamSynchronize(lane.stream));
+    BCHECK(cudaEventRecord(lane.start, lane.stream));
+    call_once(kind, lane);
+    BCHECK(cudaEventRecord(lane.end, lane.stream));
+    return lane.elapsed_us();
+  });
 }
 
 }  // namespace
@@ -207,19 +247,21 @@ void driver_calls_child(const Args& args) {
   select_device(0);
   cuda_kernels::preload_kernels();
   std::printf("\n# Host time per driver call (one context; 1 thread, and 2 threads at once, each on its own stream),\n"
-              "# and the GPU's time per call run back to back (1 thread)\n"
-              "%-20s %12s %12s %10s  %s\n", "call", "1 thread us", "2 threads us", "GPU us", "what");
+              "# and the GPU's time per call run back to back (1 thread, and 2 threads' streams at once)\n"
+              "%-20s %12s %12s %10s %10s %10s  %s\n", "call", "1 thread us", "2 threads us", "GPU 1 us",
+              "GPU 2 us", "idle us", "what");
   for (int kind = 0; kind < static_cast<int>(kKinds.size()); ++kind) {
     const double one = time_kind(kind, 1, args.iters), two = time_kind(kind, 2, args.iters);
-    const double gpu = gpu_time_kind(kind, args.iters);
-    std::printf("%-20s %12.2f %12.2f %10.2f  %s\n", kKinds[kind].name, one, two, gpu,
-                kKinds[kind].what);
+    const double gpu = gpu_time_kind(kind, 1, args.iters), gpu2 = gpu_time_kind(kind, 2, args.iters);
+    const double idle = kKinds[kind].behind_wait ? 0.0 : idle_gpu_time_kind(kind, args.iters);
+    std::printf("%-20s %12.2f %12.2f %10.2f %10.2f %10.2f  %s\n", kKinds[kind].name, one, two, gpu,
+                gpu2, idle, kKinds[kind].what);
     Row r;
     r.section = "calls";
     r.label = kKinds[kind].name;
     r.time_us = one;
-    char note[64];
-    std::snprintf(note, sizeof note, "2 threads: %.2f us; GPU %.2f us", two, gpu);
+    char note[96];
+    std::snprintf(note, sizeof note, "2 threads: %.2f us; GPU %.2f us, 2 threads %.2f us", two, gpu, gpu2);
     r.note = note;
     append_row(r);
   }

@@ -12,6 +12,10 @@
 //       each held by cuStreamWaitValue64 on a flag that a host thread releases on a timed
 //       schedule (the flag in pinned mapped host memory if this GPU's stream waits see host
 //       writes, else in device memory written by cuStreamWriteValue64 on another stream). No SMs.
+//       --pace self: no flags; the pieces go back to back, and their size is chosen at the start
+//       (a calibration table) so that alone they take the time NVLink's rate allows. Each piece's
+//       fixed cost on the copy engine then sets the pace, with no wait for a host thread per
+//       piece, which beside the GEMM was most of the flag pacing's stretch (BENCHMARKS.md, stop 20).
 //   (b) then its own reduce of the 8 sources (own chunk + 7 slots, bf16) into the fp32 shard of
 //       G/8 bf16 elements: the executor's reduce kernel (cuda_kernels::launch_reduces) under a
 //       budget (ReduceGrid + stream priority, as CudaReduceBudget gives the executor).
@@ -225,6 +229,7 @@ struct Streams {
 struct PaceConfig {
   double gbps = 380;             // <= 0: unpaced (copy-engine speed)
   std::size_t piece_bytes = 2 << 20;
+  bool self = false;             // pieces back to back, no flags (--pace self)
 };
 
 class Lane {
@@ -249,7 +254,7 @@ class Lane {
     BCHECK(cudaEventCreateWithFlags(&fence_b_, cudaEventDisableTiming));
     const std::size_t bytes = model_.copy_bytes();
     pieces_ = spec_.copies ? static_cast<int>((bytes + pace_.piece_bytes - 1) / pace_.piece_bytes) : 0;
-    if (spec_.copies) flag_->reset();
+    if (spec_.copies && !self_paced()) flag_->reset();
   }
   ~Lane() {
     for (auto* v : {&starts_, &ends_, &red_starts_, &red_ends_})
@@ -262,7 +267,7 @@ class Lane {
 
   void start() {
     feeder_ = std::thread([this] { guarded([this] { feed(); }); feeder_done_ = true; });
-    if (spec_.copies) pacer_ = std::thread([this] { guarded([this] { pace(); }); });
+    if (spec_.copies && !self_paced()) pacer_ = std::thread([this] { guarded([this] { pace(); }); });
   }
   void stop() { stop_ = true; }
   // Joins the threads and waits for the stream; rethrows a thread's error.
@@ -283,6 +288,7 @@ class Lane {
   bool started() const { return started_.load(); }  // starts_[0] is recorded
 
  private:
+  bool self_paced() const { return pace_.self && pace_.gbps > 0; }
   template <class F>
   void guarded(F&& f) {
     try {
@@ -314,7 +320,7 @@ class Lane {
         const uint64_t n = static_cast<uint64_t>(i) * pieces_ + k;
         const std::size_t offset = static_cast<std::size_t>(k) * pace_.piece_bytes;
         const std::size_t bytes = std::min(pace_.piece_bytes, model_.copy_bytes() - offset);
-        flag_->wait(stream_, n + 1);
+        if (!self_paced()) flag_->wait(stream_, n + 1);
         copy_engine_copy(model_.copy_dst() + offset, model_.copy_src() + offset, bytes, stream_);
         enqueued_.store(n + 1);
       }
@@ -420,12 +426,14 @@ struct Sample {
 class Runner {
  public:
   Runner(const Args& args, OneWaveGemm& gemm, RankModel& model, Streams streams, bool host_flags)
-      : args_(args), gemm_(gemm), model_(model), streams_(streams) {
+      : args_(args), gemm_(gemm), model_(model), streams_(streams),
+        piece_bytes_(args.pace_chunk_kib << 10) {
     flags_.emplace_back(std::make_unique<PaceFlag>(host_flags));
     flags_.emplace_back(std::make_unique<PaceFlag>(host_flags));
     BCHECK(cudaEventCreate(&origin_));
   }
   ~Runner() { (void)cudaEventDestroy(origin_); }
+  void set_piece_bytes(std::size_t bytes) { piece_bytes_ = bytes; }
 
   // The background alone: iterations' times (the first dropped: warm-up).
   Sample alone(const Case& c, int iters) {
@@ -505,7 +513,7 @@ class Runner {
  private:
   std::vector<std::unique_ptr<Lane>> make_lanes(const Case& c, int max_iters) {
     std::vector<std::unique_ptr<Lane>> lanes;
-    PaceConfig pace{c.unpaced ? 0.0 : args_.nvlink_gbps, args_.pace_chunk_kib << 10};
+    PaceConfig pace{c.unpaced ? 0.0 : args_.nvlink_gbps, piece_bytes_, args_.pace == "self"};
     for (std::size_t k = 0; k < c.lanes.size(); ++k)
       lanes.push_back(std::make_unique<Lane>(model_, c.lanes[k], k == 0 ? streams_.high : streams_.high2,
                                              streams_.low, flags_[k].get(), pace, max_iters));
@@ -518,6 +526,7 @@ class Runner {
   Streams streams_;
   std::vector<std::unique_ptr<PaceFlag>> flags_;
   cudaEvent_t origin_ = nullptr;
+  std::size_t piece_bytes_;
 };
 
 std::string budget_name(const cuda_kernels::ReduceGrid& g, bool low) {
@@ -660,7 +669,7 @@ void rank_interference_child(const Args& args) {
               "bf16 GEMM %dx%dx%d (cuBLAS %s)\n",
               prop.name, sms, OneWaveGemm::M, OneWaveGemm::N, OneWaveGemm::K, gemm.cublas.where.c_str());
   std::printf("# bucket G = %zu MiB bf16 per rank; shard = %lld bf16 elements -> fp32; (a) copies of 7 x "
-              "G/8 = %zu MiB paced at %.0f GB/s in %zu KiB pieces, (b) reduce of 8 sources\n",
+              "G/8 = %zu MiB paced at %.0f GB/s in %zu KiB pieces (--pace self: sized below), (b) reduce of 8 sources\n",
               args.g_mib, static_cast<long long>(model.shard_numel), model.copy_bytes() >> 20,
               args.nvlink_gbps, args.pace_chunk_kib);
   std::printf("# at that rate the copy phase takes >= %.0f us per RS (the 'paced copies only' row "
@@ -685,26 +694,46 @@ void rank_interference_child(const Args& args) {
   std::vector<Case> cases = make_cases(args);
   // The pacing check: the paced copies alone must take about the expected time; host-memory flags
   // whose writes the GPU sees late would stretch them, then device-memory flags are tried.
+  // --pace self: the piece size whose back-to-back copies alone come closest to that time.
   const double expected_us = model.copy_bytes() / (args.nvlink_gbps * 1e3);
+  std::size_t piece_bytes = args.pace_chunk_kib << 10;
   auto paced_copy_us = [&](bool host) {
     Runner probe(args, gemm, model, streams, host);
+    probe.set_piece_bytes(piece_bytes);
     return median(probe.alone(cases[0], 4).rs);  // cases[0]: the paced copies only
   };
   bool use_host_flags = host_flags;
-  const double host_us = host_flags ? paced_copy_us(true) : 0.0;
-  if (!host_flags || host_us > 1.1 * expected_us + 20) {
-    const double device_us = paced_copy_us(false);
-    std::printf("# pacing check: paced copy phase %.0f us with host flags%s, %.0f us with device flags "
-                "(expected %.0f us)\n",
-                host_us, host_flags ? "" : " (unusable)", device_us, expected_us);
-    use_host_flags = host_flags && host_us <= device_us;
+  if (args.pace == "self") {
+    double best = 0;
+    std::size_t best_bytes = 0;
+    std::printf("# self pacing: copy phase alone per piece size (expected %.0f us at %.0f GB/s)\n",
+                expected_us, args.nvlink_gbps);
+    for (std::size_t kib : {128, 256, 384, 512, 640, 768, 1024, 1536, 2048, 4096}) {
+      piece_bytes = kib << 10;
+      const double us = paced_copy_us(false);
+      std::printf("#   %5zu KiB pieces: %7.0f us (%.0f GB/s)\n", kib, us, model.copy_bytes() / (us * 1e3));
+      if (best_bytes == 0 || std::fabs(std::log(us / expected_us)) < std::fabs(std::log(best / expected_us)))
+        best = us, best_bytes = piece_bytes;
+    }
+    piece_bytes = best_bytes;
+    std::printf("# self pacing: %zu KiB pieces, back to back (%.0f us alone)\n", piece_bytes >> 10, best);
   } else {
-    std::printf("# pacing check: paced copy phase %.0f us with host flags (expected %.0f us)\n", host_us,
-                expected_us);
+    const double host_us = host_flags ? paced_copy_us(true) : 0.0;
+    if (!host_flags || host_us > 1.1 * expected_us + 20) {
+      const double device_us = paced_copy_us(false);
+      std::printf("# pacing check: paced copy phase %.0f us with host flags%s, %.0f us with device flags "
+                  "(expected %.0f us)\n",
+                  host_us, host_flags ? "" : " (unusable)", device_us, expected_us);
+      use_host_flags = host_flags && host_us <= device_us;
+    } else {
+      std::printf("# pacing check: paced copy phase %.0f us with host flags (expected %.0f us)\n", host_us,
+                  expected_us);
+    }
+    std::printf("# pacing flags used: %s\n", use_host_flags ? "host memory" : "device memory");
   }
-  std::printf("# pacing flags used: %s\n", use_host_flags ? "host memory" : "device memory");
   std::fflush(stdout);
   Runner runner(args, gemm, model, streams, use_host_flags);
+  runner.set_piece_bytes(piece_bytes);
   const auto t_begin = Clock::now();
   for (int rep = 0; rep < args.repeats; ++rep) {
     for (Case& c : cases) runner.measure(c);
@@ -756,8 +785,9 @@ void rank_interference_child(const Args& args) {
     }
     tsv << "# gemm_alone_median_us (before the sweep)=" << alone_med << " gemm_alone_mean_us=" << alone_mean
         << " ref_rs_alone_us=" << ref_rs << " G_MiB=" << args.g_mib << " nvlink_gbps="
-        << args.nvlink_gbps << " device=" << prop.name << " flags="
-        << (use_host_flags ? "host" : "device") << '\n';
+        << args.nvlink_gbps << " device=" << prop.name << " pace=" << args.pace
+        << " piece_KiB=" << (piece_bytes >> 10) << " flags="
+        << (args.pace == "self" ? "none" : use_host_flags ? "host" : "device") << '\n';
   }
   std::printf("# wrote %s\n", args.tsv.c_str());
 
@@ -828,6 +858,8 @@ void validate_rank_interference(const Args& args) {
   if (args.g_mib < 8) throw std::runtime_error("--g-mib: expected >= 8");
   if (args.nvlink_gbps <= 0) throw std::runtime_error("--nvlink-gbps: expected > 0");
   if (args.pace_chunk_kib < 64) throw std::runtime_error("--pace-chunk-kib: expected >= 64");
+  if (args.pace != "flags" && args.pace != "self")
+    throw std::runtime_error("--pace " + args.pace + ": expected flags or self");
   if (args.nccl_ctas < 1) throw std::runtime_error("--nccl-ctas: expected >= 1");
   if (args.gemms < 20) throw std::runtime_error("--gemms: expected >= 20");
   if (args.repeats < 1) throw std::runtime_error("--repeats: expected >= 1");

@@ -19,28 +19,30 @@ const char* op_name(const Step& step) {
 }
 
 // --prefixes: per prefix length k (the last is the whole program), the slowest rank's time and
-// host time per run, and what step k added to the prefix before it. `per_rank`: each rank's
-// "<time> <host>" pairs for k = 1 .. n - 1.
+// host time per run, what step k added to the prefix before it, and the loop's time per run (no
+// timing event between runs). `per_rank`: each rank's "<time> <host> <loop>" triples for
+// k = 1 .. n - 1.
 void print_prefix_rows(const Program& program, const std::vector<std::string>& per_rank,
-                       double full_us, double full_host_us) {
+                       double full_us, double full_host_us, double full_loop_us) {
   const std::size_t n = program.steps.size();
-  std::vector<double> time(n, 0.0), host(n, 0.0);
+  std::vector<double> time(n, 0.0), host(n, 0.0), loop(n, 0.0);
   for (const std::string& s : per_rank) {
     std::istringstream in(s);
     for (std::size_t k = 0; k + 1 < n; ++k) {
-      double t = 0, h = 0;
-      in >> t >> h;
-      time[k] = std::max(time[k], t), host[k] = std::max(host[k], h);
+      double t = 0, h = 0, l = 0;
+      in >> t >> h >> l;
+      time[k] = std::max(time[k], t), host[k] = std::max(host[k], h), loop[k] = std::max(loop[k], l);
     }
   }
-  time[n - 1] = full_us, host[n - 1] = full_host_us;
+  time[n - 1] = full_us, host[n - 1] = full_host_us, loop[n - 1] = full_loop_us;
   std::printf("#   the chain, rank 0's program: its first k steps run back to back (slowest rank)\n"
-              "#   %3s  %-24s %10s %10s %10s\n", "k", "step k", "time us", "+ us", "host us");
+              "#   %3s  %-24s %10s %10s %10s %10s\n", "k", "step k", "time us", "+ us", "host us",
+              "loop us");
   for (std::size_t k = 0; k < n; ++k) {
     const Step& step = program.steps[k];
     const std::string what = std::string(phase_name(step.phase)) + " " + op_name(step);
-    std::printf("#   %3zu  %-24s %10.1f %+10.1f %10.1f\n", k + 1, what.c_str(), time[k],
-                time[k] - (k > 0 ? time[k - 1] : 0.0), host[k]);
+    std::printf("#   %3zu  %-24s %10.1f %+10.1f %10.1f %10.1f\n", k + 1, what.c_str(), time[k],
+                time[k] - (k > 0 ? time[k - 1] : 0.0), host[k], loop[k]);
   }
 }
 
@@ -113,15 +115,17 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     auto window = CudaWindow::create(bootstrap, program.window_bytes, topology, CudaMemory::kMalloc,
                                      ipc ? CudaReach::kHost : CudaReach::kNode);
 
-    double median_us = 0, sm_cta_us = 0, host_us = 0;
+    double median_us = 0, sm_cta_us = 0, host_us = 0, loop_us = 0;
     bool batched = true;
     unsigned long long wrong = 0;
-    std::string prefix_times;  // --prefixes: "<time> <host>" per prefix length 1..n
+    std::string prefix_times;  // --prefixes: "<time> <host> <loop>" per prefix length 1..n
     {
       CudaExecutor executor(*window, stream, default_timeout(), network.get());
       // Median time per run of `p` back to back, and the host's median wall time in run()
       // (enqueueing, no waiting).
-      auto time_runs = [&](const Program& p, double& time_us, double& run_host_us) {
+      // And (run_loop_us) the same number of runs between one pair of events, divided by the count,
+      // as nccl-tests times: no timing event between two runs.
+      auto time_runs = [&](const Program& p, double& time_us, double& run_host_us, double& run_loop_us) {
         for (int w = 0; w < args.warmup; ++w) executor.run(p, bindings);
         executor.synchronize();
         bootstrap.barrier();
@@ -136,6 +140,12 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
         executor.synchronize();
         bootstrap.barrier();
         time_us = median(times), run_host_us = median(host_times);
+        const auto loop = time_each(stream, 1, [&] {
+          for (int i = 0; i < args.iters; ++i) executor.run(p, bindings);
+        });
+        executor.synchronize();
+        bootstrap.barrier();
+        run_loop_us = loop[0] / args.iters;
       };
       // A program's first k steps are a program every rank runs alike (the ranks' programs have
       // the same shape): what the chain's k-th step adds to a run is the difference of two rows.
@@ -143,13 +153,13 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
         for (std::size_t k = 1; k < program.steps.size(); ++k) {
           Program prefix = program;
           prefix.steps.resize(k);
-          double t = 0, h = 0;
-          time_runs(prefix, t, h);
+          double t = 0, h = 0, l = 0;
+          time_runs(prefix, t, h, l);
           char entry[64];
-          std::snprintf(entry, sizeof entry, "%.3f %.3f ", t, h);
+          std::snprintf(entry, sizeof entry, "%.3f %.3f %.3f ", t, h, l);
           prefix_times += entry;
         }
-      time_runs(program, median_us, host_us);
+      time_runs(program, median_us, host_us, loop_us);
       executor.enable_stats(true);
       executor.reset_stats();
       executor.run(program, bindings);
@@ -182,17 +192,19 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       BCHECK(cudaStreamSynchronize(stream));
     }
     char mine[160];
-    std::snprintf(mine, sizeof mine, "%.3f %llu %.3f %.3f", median_us, wrong, sm_cta_us, host_us);
+    std::snprintf(mine, sizeof mine, "%.3f %llu %.3f %.3f %.3f", median_us, wrong, sm_cta_us, host_us,
+                  loop_us);
     const auto all = bootstrap.allgather(mine);
     const auto all_prefixes = bootstrap.allgather(prefix_times);
     if (rank == 0) {
-      double slowest = 0, sm_sum = 0, host_slowest = 0;
+      double slowest = 0, sm_sum = 0, host_slowest = 0, loop_slowest = 0;
       unsigned long long wrong_total = 0;
       for (const std::string& s : all) {
-        double t = 0, sm = 0, h = 0;
+        double t = 0, sm = 0, h = 0, l = 0;
         unsigned long long w = 0;
-        std::sscanf(s.c_str(), "%lf %llu %lf %lf", &t, &w, &sm, &h);
+        std::sscanf(s.c_str(), "%lf %llu %lf %lf %lf", &t, &w, &sm, &h, &l);
         slowest = std::max(slowest, t), wrong_total += w, sm_sum += sm;
+        loop_slowest = std::max(loop_slowest, l);
         host_slowest = std::max(host_slowest, h);
       }
       Row r;
@@ -220,12 +232,13 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       if (!batched) r.note += ", copies NOT batched (cudaMemcpyAsync fallback)";
       // Back-to-back runs go at the pace of the slower of the GPU and the host's enqueueing: when
       // this is close to the time, the host's driver calls are the fixed cost.
-      char host[64];
-      std::snprintf(host, sizeof host, "; host %.1f us/run in run()", host_slowest);
+      char host[96];
+      std::snprintf(host, sizeof host, "; host %.1f us/run in run(); loop %.1f us/run", host_slowest,
+                    loop_slowest);
       r.note += host;
       append_row(r);
       print_collective_row(r);
-      if (args.prefixes) print_prefix_rows(program, all_prefixes, slowest, host_slowest);
+      if (args.prefixes) print_prefix_rows(program, all_prefixes, slowest, host_slowest, loop_slowest);
       std::fflush(stdout);
     }
     bootstrap.barrier();  // everyone done with the window before it is freed
