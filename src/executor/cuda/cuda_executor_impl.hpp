@@ -177,6 +177,7 @@ struct CudaExecutor::Impl {
   std::vector<cudaEvent_t> free_events;
   std::optional<cuda_executor_detail::WaitMarks> marks;  // made once the device is checked
   bool stop = false;
+  bool watchdog_asleep = false;  // idle past its polls (watchdog.cpp): watch() must notify `wake`
   std::exception_ptr error;     // TimeoutError / DesyncError / SystemError
   std::atomic<bool> failed{false};
   std::atomic<bool> watchdog_dead{false};  // it hit a CUDA error and can no longer drain
