@@ -3,10 +3,13 @@
 # with CTest (GPU tests skip visibly without a GPU), installs the Python package, runs pytest.
 #
 # Prerequisites come first, in seconds: the Python ones (torch, pytest, numpy, matplotlib, the
-# build backend, cmake, ninja) are pip-installed into this Python when missing; a missing C++
-# compiler or GoogleTest stops the script at once with the one command to run.
+# build backend, cmake, ninja) are pip-installed into this Python when missing; GoogleTest is
+# installed from the distribution (apt-get install libgtest-dev) when it is missing and this user
+# may install packages (root, or sudo without a password). Otherwise a missing C++ compiler or
+# GoogleTest stops the script at once with the one command to run.
 # Environment: TIDE_BUILD_DIR (default build), TIDE_CMAKE_ARGS (extra CMake arguments),
-# PYTHON (default python3).
+# PYTHON (default python3), TIDE_GTEST_HEADERS (where to look for gtest/gtest.h, space-separated;
+# default /usr/include /usr/local/include).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,10 +20,30 @@ echo "== prerequisites"
 stop() { echo "scripts/test.sh: $1" >&2; echo "  run: $2" >&2; exit 2; }
 command -v "$PY" >/dev/null || stop "no $PY" "apt-get install python3 python3-venv (or set PYTHON)"
 command -v "${CXX:-c++}" >/dev/null || stop "no C++20 compiler (${CXX:-c++})" "apt-get install g++"
-gtest_found=""
-for f in /usr/include/gtest/gtest.h /usr/local/include/gtest/gtest.h; do [[ -f $f ]] && gtest_found=$f; done
-[[ -n "$gtest_found" || -n "${GTest_ROOT:-}" ]] ||
-  stop "GoogleTest not found (the C++ tests need it; or set GTest_ROOT)" "sudo apt-get install libgtest-dev"
+gtest_found() {
+  [[ -n "${GTest_ROOT:-}" ]] && return 0
+  local d
+  for d in ${TIDE_GTEST_HEADERS:-/usr/include /usr/local/include}; do [[ -f $d/gtest/gtest.h ]] && return 0; done
+  return 1
+}
+# The command that installs packages as this user: "" (root), "sudo -n" (passwordless sudo), or
+# nothing (exit 1).
+as_root() {
+  if [[ $(id -u) == 0 ]]; then echo ""; return 0; fi
+  command -v sudo >/dev/null && sudo -n true 2>/dev/null && { echo "sudo -n"; return 0; }
+  return 1
+}
+if ! gtest_found; then
+  if command -v apt-get >/dev/null && root=$(as_root); then
+    echo "   GoogleTest not found: installing libgtest-dev with apt-get"
+    # shellcheck disable=SC2086
+    { DEBIAN_FRONTEND=noninteractive $root apt-get install -y -q libgtest-dev ||
+      { $root apt-get update -q && DEBIAN_FRONTEND=noninteractive $root apt-get install -y -q libgtest-dev; }; } >&2 ||
+      stop "apt-get could not install libgtest-dev" "sudo apt-get update && sudo apt-get install libgtest-dev"
+  fi
+  gtest_found ||
+    stop "GoogleTest not found (the C++ tests need it; or set GTest_ROOT)" "sudo apt-get install libgtest-dev"
+fi
 # name to import = requirement to install (torch: the versions tide supports, pyproject.toml)
 declare -A PY_REQS=([torch]="torch>=2.11,<2.16" [pytest]=pytest [numpy]=numpy [matplotlib]=matplotlib
                     [nanobind]="nanobind>=2.0" [scikit_build_core]="scikit-build-core>=0.10")
