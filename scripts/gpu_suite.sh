@@ -89,23 +89,45 @@ run_tests() {
   [[ $rc == 0 ]] || status=1
 }
 
+# What compute-sanitizer checks: every GPU test that runs in one process (ranks as threads, or a
+# single rank), each as "gtest filter|environment|tests it must pass". Tests whose ranks are
+# fork()ed processes cannot run under it (docs/testing.md names them and why).
+SANITIZER_CASES=(
+  # one rank: the kernels' vector, scalar and tail paths, AG and RS with accumulate
+  "CudaKernels.SingleRankCastAndReduce||1"
+  # one rank: an executor refused on a window that has one; bad bindings refused before enqueuing
+  "CudaCollectives.OneExecutorPerWindow:CudaCollectives.RejectsBadBindingsBeforeEnqueuing||2"
+  # ranks as threads, W = 2 and 4, AG then RS: copy-engine pushes (Delivery::kPush) and the cast
+  # into the peers' windows (kCastToPeers) as stream operations. The handoff kernel is off here:
+  # it spins on flags its peers' kernels write, and the sanitizer runs one kernel at a time.
+  "CudaCollectives.RanksAsThreadsOfOneProcess|TIDE_CUDA_HANDOFF=0|1"
+  # the handoff kernel itself: one rank's kernel stuck on a flag, released by the watchdog (its
+  # peers run no kernel), in both outcomes (DesyncError, TimeoutError)
+  "CudaCollectives.AStuckHandoffKernelTimesOutLikeAStreamWait||1"
+)
+
 run_sanitizer() {
-  # One rank: the kernels' vector, scalar and tail paths, AG and RS with accumulate. (Several ranks
-  # wait on each other's streams, and the sanitizer serialises work: they would deadlock.)
-  # racecheck checks shared-memory hazards; the kernels use no shared memory, so memcheck is the
-  # one that matters when time is short (SANITIZER_TOOLS="memcheck").
+  # racecheck checks shared-memory hazards, synccheck barriers; memcheck is the one that matters
+  # when time is short (SANITIZER_TOOLS="memcheck").
+  local tool entry filter env want rc log
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
-    say "compute-sanitizer --tool $tool"
-    # In this process (TIDE_GPU_TEST_IN_PROCESS): a fork()ed child never finished under the sanitizer.
-    TIDE_GPU_TEST_IN_PROCESS=1 timeout ${SANITIZER_TIMEOUT:-120} compute-sanitizer --tool "$tool" --error-exitcode 3 \
-      "$BIN/tide_gpu_tests" --gtest_filter='CudaKernels.SingleRankCastAndReduce' \
-      >"$OUT/sanitizer_$tool.log" 2>&1
-    local rc=$?
-    # A skipped test exits 0 but checked nothing.
-    grep -q "PASSED  \] 1 test" "$OUT/sanitizer_$tool.log" || { [[ $rc == 0 ]] && rc=4; }
-    tail -6 "$OUT/sanitizer_$tool.log" | tee -a "$LOG"
-    say "compute-sanitizer $tool exit $rc"
-    [[ $rc == 0 ]] || status=1
+    for entry in "${SANITIZER_CASES[@]}"; do
+      IFS='|' read -r filter env want <<<"$entry"
+      log="$OUT/sanitizer_${tool}_${filter%%:*}.log"
+      say "compute-sanitizer --tool $tool $filter ${env}"
+      # TIDE_GPU_TEST_IN_PROCESS: the single "process" of a test runs in this one (a fork()ed
+      # child never finished under the sanitizer).
+      # shellcheck disable=SC2086
+      env TIDE_GPU_TEST_IN_PROCESS=1 $env timeout ${SANITIZER_TIMEOUT:-300} \
+        compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        "$BIN/tide_gpu_tests" --gtest_filter="$filter" >"$log" 2>&1
+      rc=$?
+      # A skipped test exits 0 but checked nothing.
+      grep -q "PASSED  \] $want tests\?\." "$log" || { [[ $rc == 0 ]] && rc=4; }
+      tail -4 "$log" | tee -a "$LOG"
+      say "compute-sanitizer $tool $filter exit $rc"
+      [[ $rc == 0 ]] || status=1
+    done
   done
 }
 
