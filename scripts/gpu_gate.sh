@@ -14,9 +14,8 @@
 #   scripts/gpu_gate.sh verdict         the verdict line over the stages run so far
 #   scripts/gpu_gate.sh digest          the sources digest the verdict line names
 #
-# Stages record their result in $GATE_DIR (default build-gate/), so a gate longer than one call of
-# a lent machine can run as several calls on the same warm machine; the verdict line counts a
-# stage that has not run as not passed. Logs go to $OUT (default gpu-out/).
+# Stages record their result in $GATE_DIR (default build-gate/), so the gate can run as several
+# invocations on the same machine; the verdict line counts a stage that has not run as not passed. Logs go to $OUT (default gpu-out/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one script a GPU run calls: build (or take carried binaries), run the GPU tests, check a
+# The one script a GPU run calls: build (or take prebuilt binaries), run the GPU tests, check a
 # small case under compute-sanitizer, run the benchmarks. Logs go to $OUT (or ./gpu-out).
 #
 #   scripts/gpu_suite.sh [quick|full|tests|bench|sanitize]   (default: full)
@@ -38,7 +38,7 @@ BIN=""
 if [[ -n "${TIDE_PREBUILT:-}" && -x "$TIDE_PREBUILT/tide_gpu_tests" && -x "$TIDE_PREBUILT/tide_bench_cuda" ]] &&
    "$TIDE_PREBUILT/tide_gpu_tests" --gtest_list_tests >/dev/null 2>&1; then
   BIN=$TIDE_PREBUILT
-  say "using carried binaries in $BIN"
+  say "using prebuilt binaries in $BIN"
 else
   say "building from source"
   GTEST_ARGS=()

@@ -1,7 +1,7 @@
 // tide_bench_cuda calls: the host's time per driver call, for each kind of call a CudaExecutor
 // run() makes (lowering.cpp), by 1 and by 2 threads at once in one CUDA context (ranks as threads,
 // as `sweep --threads` runs them). The fixed cost of a small collective is the sum of its calls
-// (docs/notes/fixed_cost.md): this is that sum's ceiling, measured rather than assumed.
+// (BENCHMARKS.md, "Small buckets"): this is that sum's ceiling, measured rather than assumed.
 //
 // Each kind: `--iters` rounds of 64 calls on the thread's own stream, timed on the host; the
 // stream is drained between rounds (untimed), so no call waits for room in the stream's queue.

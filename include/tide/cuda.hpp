@@ -143,7 +143,7 @@ class CudaWindow {
 
 // A fixed device address range that shows a VMM window's data: reserve it once per bucket, then
 // map the data of whichever pooled window holds the bucket now. Tensors viewing data() stay valid
-// across remaps (autograd's saved views of unsharded params: DESIGN.md §5). Map and unmap only
+// across remaps (autograd's saved views of unsharded params: docs/DESIGN.md §5). Map and unmap only
 // while no work on the range or the window is in flight.
 class CudaAddressRange {
  public:

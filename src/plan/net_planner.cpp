@@ -1,6 +1,6 @@
 // Multi-node plans (W = nodes x local): the paced recursive-doubling all-gather between rail peers,
 // the staging the reduce-scatter needs, and what both share; the two-phase reduce-scatter itself is
-// net_reduce_scatter.cpp. See plan.hpp and DESIGN.md §2.
+// net_reduce_scatter.cpp. See plan.hpp and docs/DESIGN.md §2.
 #include <algorithm>
 #include <cmath>
 

@@ -2,7 +2,7 @@
 // rank pushes the chunks destined to rail q into local rank q's window), then, between rail peers,
 // a chunked ring of partial sums (the default) or recursive halving (an option, power-of-two
 // nodes), fp32 or bf16 on the wire, through a fixed staging area after the window's data. See
-// plan.hpp and DESIGN.md §2; README "Across nodes" says why the ring is the default.
+// plan.hpp and docs/DESIGN.md §2; docs/across_nodes.md says why the ring is the default.
 #include <algorithm>
 #include <optional>
 

@@ -1,4 +1,4 @@
-// Builds the per-rank programs of TIDE-AG and TIDE-RS (single node). See plan.hpp and DESIGN.md §2.
+// Builds the per-rank programs of TIDE-AG and TIDE-RS (single node). See plan.hpp and docs/DESIGN.md §2.
 #include <cmath>
 #include <string>
 

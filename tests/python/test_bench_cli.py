@@ -174,7 +174,7 @@ def test_moe_routes_each_token_to_its_top_k_experts():
 
 def test_host_cost_code_runs_on_cpu_handled_and_without_remaps_after_warmup():
     # tide-bench host-cost itself needs a GPU (cli refuses CPU); its per-rank code and its report
-    # run here so that neither first runs on a lent GPU. Its times on CPU are not reported.
+    # run here, so that neither first runs on a GPU. Its times on CPU are not reported.
     from tide.bench import report
     from tide.bench.host_cost_bench import run_host_cost
     from tide.bench.launch import run_ranks
