@@ -7,6 +7,7 @@
 
 #include "tide/error.hpp"
 #include "tide/plan.hpp"
+#include "verify_internal.hpp"
 
 namespace tide {
 namespace {
@@ -18,10 +19,7 @@ struct Interval {
   bool operator<(const Interval& o) const { return std::tie(begin, end) < std::tie(o.begin, o.end); }
 };
 
-[[noreturn]] void fail(const Program& program, std::size_t step, const std::string& what) {
-  throw Error(detail::concat("verify_programs: ", collective_name(program.collective), " rank ",
-                             program.rank, " step ", step, ": ", what));
-}
+using detail::fail;
 
 // Merges touching intervals so that two tilings of the same bytes compare equal.
 std::vector<std::pair<std::size_t, std::size_t>> merged(std::vector<Interval> v) {
@@ -60,10 +58,46 @@ class OwnWrites {
 
 }  // namespace
 
-void verify_net_programs(const BucketLayout& layout, const std::vector<Program>& programs);
+namespace detail {
+
+void fail(const Program& program, std::size_t step, const std::string& what) {
+  throw Error(concat("verify_programs: ", collective_name(program.collective), " rank ", program.rank,
+                     " step ", step, ": ", what));
+}
+
+void check_joins_set(const std::vector<Program>& programs, int r, int num_params) {
+  const Program& program = programs[r];
+  const Program& first = programs[0];
+  if (program.rank != r || program.world != static_cast<int>(programs.size()) ||
+      program.collective != first.collective || program.bucket != first.bucket ||
+      program.num_params != num_params)
+    fail(program, 0, "rank, world, collective, bucket or param count disagrees with the set");
+}
+
+void check_signals_pair_with_waits(const std::vector<Program>& programs) {
+  // (from, to, kind) -> count of signals / waits
+  std::map<std::tuple<int, int, int>, int> signals, waits;
+  for (int r = 0; r < static_cast<int>(programs.size()); ++r)
+    for (const Step& st : programs[r].steps) {
+      if (const auto* x = std::get_if<SignalOp>(&st.op)) ++signals[{r, x->peer, static_cast<int>(x->kind)}];
+      if (const auto* x = std::get_if<WaitOp>(&st.op)) ++waits[{x->peer, r, static_cast<int>(x->kind)}];
+    }
+  for (const auto& [key, n] : signals)
+    if (n != 1 || waits[key] != 1)
+      throw Error(detail::concat("verify_programs: rank ", std::get<0>(key), " -> rank ",
+                                 std::get<1>(key), " flag ", std::get<2>(key), ": ", n,
+                                 " signal(s), ", waits[key], " wait(s); expected 1 and 1"));
+  for (const auto& [key, n] : waits)
+    if (n > 0 && !signals.count(key))
+      throw Error(detail::concat("verify_programs: rank ", std::get<1>(key), " waits on flag ",
+                                 std::get<2>(key), " of rank ", std::get<0>(key),
+                                 " that nobody signals"));
+}
+
+}  // namespace detail
 
 void verify_programs(const BucketLayout& layout, const std::vector<Program>& programs) {
-  if (layout.topology().nodes > 1) return verify_net_programs(layout, programs);
+  if (layout.topology().nodes > 1) return detail::verify_net_programs(layout, programs);
   const int world = layout.world();
   if (static_cast<int>(programs.size()) != world)
     throw Error(detail::concat("verify_programs: ", programs.size(), " programs, expected W = ",
@@ -74,14 +108,10 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
 
   std::vector<std::vector<Interval>> writes(world);
   auto locate = [&](std::size_t offset) { return layout.locate(offset); };
-  // (from, to, kind) -> count of signals / waits
-  std::map<std::tuple<int, int, int>, int> signals, waits;
 
   for (int r = 0; r < world; ++r) {
     const Program& program = programs[r];
-    if (program.rank != r || program.world != world || program.collective != collective ||
-        program.bucket != programs[0].bucket || program.num_params != num_params)
-      fail(program, 0, "rank, world, collective, bucket or param count disagrees with the set");
+    detail::check_joins_set(programs, r, num_params);
     if (program.window_bytes != layout.window_bytes() || program.alignment != layout.alignment())
       fail(program, 0, "window size or alignment disagrees with the layout");
     auto input_bytes = [&](int i) -> std::size_t {
@@ -220,12 +250,10 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
             } else if constexpr (std::is_same_v<T, SignalOp>) {
               if (op.peer < 0 || op.peer >= world || op.peer == r) fail(program, s, "bad signal peer");
               if (static_cast<int>(op.kind) >= kNumFlagKinds) fail(program, s, "bad signal kind");
-              ++signals[{r, op.peer, static_cast<int>(op.kind)}];
               if (op.kind == FlagKind::kDataReady) signalled_data.insert(op.peer);
             } else if constexpr (std::is_same_v<T, WaitOp>) {
               if (op.peer < 0 || op.peer >= world || op.peer == r) fail(program, s, "bad wait peer");
               if (static_cast<int>(op.kind) >= kNumFlagKinds) fail(program, s, "bad wait kind");
-              ++waits[{op.peer, r, static_cast<int>(op.kind)}];
               (op.kind == FlagKind::kSlotFree ? waited_free : waited_data).insert(op.peer);
             } else if constexpr (std::is_same_v<T, NetSendOp> || std::is_same_v<T, NetRecvOp>) {
               fail(program, s, "a network op in a single-node set (topology has 1 node)");
@@ -276,16 +304,7 @@ void verify_programs(const BucketLayout& layout, const std::vector<Program>& pro
                               params[i].valid_numel(r) > 0 ? "1" : "0 (no rows here)"));
   }
 
-  for (const auto& [key, n] : signals)
-    if (n != 1 || waits[key] != 1)
-      throw Error(detail::concat("verify_programs: rank ", std::get<0>(key), " -> rank ",
-                                 std::get<1>(key), " flag ", std::get<2>(key), ": ", n,
-                                 " signal(s), ", waits[key], " wait(s); expected 1 and 1"));
-  for (const auto& [key, n] : waits)
-    if (!signals.count(key))
-      throw Error(detail::concat("verify_programs: rank ", std::get<1>(key), " waits on flag ",
-                                 std::get<2>(key), " of rank ", std::get<0>(key),
-                                 " that nobody signals"));
+  detail::check_signals_pair_with_waits(programs);
 
   // The handshakes complete: run every program's signals and waits in order, each rank as far as
   // it can, until none can move; a rank left waiting means the set would hang.

@@ -19,6 +19,7 @@
 
 #include "tide/error.hpp"
 #include "tide/plan.hpp"
+#include "verify_internal.hpp"
 
 namespace tide {
 namespace {
@@ -56,10 +57,7 @@ struct Posted {
   Label label;
 };
 
-[[noreturn]] void fail(const Program& p, std::size_t step, const std::string& what) {
-  throw Error(detail::concat("verify_programs: ", collective_name(p.collective), " rank ", p.rank,
-                             " step ", step, ": ", what));
-}
+using detail::fail;
 
 void write(Memory& m, std::size_t begin, std::size_t bytes, const Label& label) {
   if (bytes == 0) return;
@@ -80,7 +78,7 @@ void write(Memory& m, std::size_t begin, std::size_t bytes, const Label& label) 
 
 }  // namespace
 
-void verify_net_programs(const BucketLayout& layout, const std::vector<Program>& programs) {
+void detail::verify_net_programs(const BucketLayout& layout, const std::vector<Program>& programs) {
   const Topology& topo = layout.topology();
   const int world = layout.world();
   if (static_cast<int>(programs.size()) != world)
@@ -99,9 +97,7 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
   // --- Static, per program: header, bounds, dtypes, peers, program-order rules. ---
   for (int r = 0; r < world; ++r) {
     const Program& program = programs[r];
-    if (program.rank != r || program.world != world || program.collective != collective ||
-        program.bucket != programs[0].bucket || program.num_params != num_params)
-      fail(program, 0, "rank, world, collective, bucket or param count disagrees with the set");
+    detail::check_joins_set(programs, r, num_params);
     if (program.window_bytes < layout.window_bytes() || program.alignment != layout.alignment() ||
         program.window_bytes > BucketLayout::kMaxWindowBytes)
       fail(program, 0, "window size or alignment disagrees with the layout");
@@ -445,23 +441,7 @@ void verify_net_programs(const BucketLayout& layout, const std::vector<Program>&
                                  " to rank ", std::get<1>(key), " on channel ", std::get<2>(key),
                                  " never received"));
 
-  // Every signal is waited for exactly once (a rank that skips its data-ready wait would return
-  // before its peers' copies landed), and nobody waits for a flag nobody signals.
-  std::map<std::tuple<int, int, int>, int> n_signals, n_waits;
-  for (int r = 0; r < world; ++r)
-    for (const Step& st : programs[r].steps) {
-      if (const auto* x = std::get_if<SignalOp>(&st.op)) ++n_signals[{r, x->peer, static_cast<int>(x->kind)}];
-      if (const auto* x = std::get_if<WaitOp>(&st.op)) ++n_waits[{x->peer, r, static_cast<int>(x->kind)}];
-    }
-  for (const auto& [key, n] : n_signals)
-    if (n != 1 || n_waits[key] != 1)
-      throw Error(detail::concat("verify_programs: rank ", std::get<0>(key), " -> rank ",
-                                 std::get<1>(key), " flag ", std::get<2>(key), ": ", n,
-                                 " signal(s), ", n_waits[key], " wait(s); expected 1 and 1"));
-  for (const auto& [key, n] : n_waits)
-    if (n > 0 && !n_signals.count(key))
-      throw Error(detail::concat("verify_programs: rank ", std::get<1>(key), " waits on flag ",
-                                 std::get<2>(key), " of rank ", std::get<0>(key), " that nobody signals"));
+  detail::check_signals_pair_with_waits(programs);
 
   // --- Exactly once. ---
   for (int q = 0; q < world; ++q) {

@@ -10,14 +10,7 @@
 namespace tide {
 namespace {
 
-// Pushed unless `delivery` says otherwise.
-std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {},
-                              Delivery delivery = Delivery::kPush) {
-  std::vector<Program> programs;
-  for (int r = 0; r < layout.world(); ++r)
-    programs.push_back(test::plan_for(c, layout, r, 5, o, delivery));
-  return programs;
-}
+using test::plan_all;  // pushed unless told otherwise
 
 class PlanProperty : public ::testing::TestWithParam<int> {};
 

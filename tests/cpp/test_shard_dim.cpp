@@ -18,14 +18,7 @@ ParamSpec spec(std::string name, std::vector<int64_t> shape, int shard_dim, DTyp
   return {std::move(name), std::move(shape), dtype, shard_dtype, shard_dim};
 }
 
-// All-gathers pushed unless `delivery` says otherwise (the 2-D copies are what these tests check).
-std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {},
-                              Delivery delivery = Delivery::kPush) {
-  std::vector<Program> programs;
-  for (int r = 0; r < layout.world(); ++r)
-    programs.push_back(test::plan_for(c, layout, r, 5, o, delivery));
-  return programs;
-}
+using test::plan_all;  // pushed unless told otherwise
 
 // A bucket of every kind: dim 0 (padded), dim 1 of a matrix, dims 1 and 2 of a grouped expert
 // tensor [E, d, h], bf16 from fp32 and fp32 from fp32.

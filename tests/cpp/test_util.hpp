@@ -190,6 +190,14 @@ inline Program plan_for(Collective c, const BucketLayout& layout, int rank, uint
                                      : plan_reduce_scatter(layout, rank, o, bucket, NetOptions{}, d);
 }
 
+// Every rank's program of collective c (bucket 5), pushed unless `delivery` says otherwise.
+inline std::vector<Program> plan_all(const BucketLayout& layout, Collective c, const ReduceOptions& o = {},
+                                     Delivery delivery = Delivery::kPush) {
+  std::vector<Program> programs;
+  for (int r = 0; r < layout.world(); ++r) programs.push_back(plan_for(c, layout, r, 5, o, delivery));
+  return programs;
+}
+
 // "" if rank's result of collective c (seed, options o) is right: all-gather bitwise in `window`,
 // reduce-scatter outputs within 1e-6 (fp32) / 1e-2 (16-bit outputs) of fp64 in norm; with
 // `lossy_unit` > 0 (bf16 partials on the wire) each element within lossy_unit x the sum of its
