@@ -99,6 +99,21 @@ void expect_survivors_failed(const RankProcesses& run, Collective c, long timeou
       << "shared-memory segments leaked";
 }
 
+// A rank of the RankFailure tests: good collectives, then the victim enters one more (and is
+// killed or stopped there by the parent) while the survivors wait for it (survivor()).
+std::string victim_or_survivor(Collective c, int rank, Bootstrap& bootstrap, long timeout_ms,
+                               const std::string& dir) {
+  auto window = HostWindow::create(bootstrap, layout().window_bytes());
+  HostExecutor executor(*window, std::chrono::milliseconds(rank == kVictim ? 60000 : timeout_ms));
+  good_steps(rank, executor, *window);
+  if (rank == kVictim) {
+    test::RankBuffers buffers(layout(), c, rank, 12);
+    executor.run(test::plan_for(c, layout(), rank, kBucket), buffers.bindings);
+    return "the victim completed";
+  }
+  return survivor(c, rank, executor, *window, dir, /*wait_for_victim=*/true);
+}
+
 class RankFailure : public ::testing::TestWithParam<Collective> {};
 
 // The victim enters the collective (signals slot-free to everyone) and blocks waiting for rank 0,
@@ -112,15 +127,7 @@ TEST_P(RankFailure, KilledByTheParentWhileWaitingInsideTheCollective) {
   const RankProcesses run = harness::run_rank_processes(
       kWorld,
       [&](int rank, Bootstrap& bootstrap) {
-        auto window = HostWindow::create(bootstrap, layout().window_bytes());
-        HostExecutor executor(*window, std::chrono::milliseconds(rank == kVictim ? 60000 : timeout_ms));
-        good_steps(rank, executor, *window);
-        if (rank == kVictim) {
-          test::RankBuffers buffers(layout(), c, rank, 12);
-          executor.run(test::plan_for(c, layout(), rank, kBucket), buffers.bindings);
-          return std::string("the victim completed");
-        }
-        return survivor(c, rank, executor, *window, dir.path(), /*wait_for_victim=*/true);
+        return victim_or_survivor(c, rank, bootstrap, timeout_ms, dir.path());
       },
       {.dir = dir.path(), .while_running = [&](const std::vector<pid_t>& pids) {
          for (int r = 0; r < kWorld; ++r)
@@ -192,15 +199,7 @@ TEST_P(RankFailure, StuckRankTimesOutAtTheConfiguredTimeout) {
           ::setenv("TIDE_DEBUG", "1", 1);
           if (!std::freopen(log.c_str(), "w", stderr)) return std::string("cannot redirect stderr");
         }
-        auto window = HostWindow::create(bootstrap, layout().window_bytes());
-        HostExecutor executor(*window, std::chrono::milliseconds(rank == kVictim ? 60000 : timeout_ms));
-        good_steps(rank, executor, *window);
-        if (rank == kVictim) {
-          test::RankBuffers buffers(layout(), c, rank, 12);
-          executor.run(test::plan_for(c, layout(), rank, kBucket), buffers.bindings);
-          return std::string("the victim completed");
-        }
-        std::string report = survivor(c, rank, executor, *window, dir.path(), /*wait_for_victim=*/true);
+        std::string report = victim_or_survivor(c, rank, bootstrap, timeout_ms, dir.path());
         std::fflush(stderr);
         std::ifstream in(log);
         std::string debug;
