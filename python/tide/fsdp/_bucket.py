@@ -80,6 +80,7 @@ class Bucket:
         self.pool = None
         self.range = None
         self.param_outputs: list[torch.Tensor] = []
+        self.storage: _fsdp2.UnshardedStorage | None = None  # the outputs' storages, freed at reshard
         self.window = None  # the PooledWindow this bucket holds now
         self.mapped = None  # the PooledWindow mapped at the fixed address (kept after release)
         self.vacated = False
@@ -104,6 +105,7 @@ class Bucket:
                 raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.range.ptr + p.window_offset),
                                        dtype=torch.uint8)
             self.param_outputs.append(raw.view(TIDE_TO_TORCH[p.dtype]))
+        self.storage = _fsdp2.UnshardedStorage(self.param_outputs)
 
     def _map_window(self) -> None:
         if self.mapped is self.window:
@@ -190,6 +192,7 @@ class Bucket:
         return bool(self.param_outputs) and all_gather_result.all_gather_output is self.param_outputs[0]
 
     def copy_out(self) -> None:
+        self.storage.restore()  # where stock's copy-out re-allocates the outputs' storage
         for fp, out in zip(self.fsdp_params, self.param_outputs):
             if not fp.all_gather_outputs or fp.all_gather_outputs[0] is not out:
                 fp.all_gather_outputs = [out]
@@ -204,6 +207,9 @@ class Bucket:
                 "calling the original?). TIDE cannot vouch for this model's parameters; "
                 "call tide.fsdp.disable(model) before replacing FSDP2's functions")
         if not self.vacated:
+            # Where stock frees the outputs' storage: from here on no view of them reads the window,
+            # which this bucket's reduce-scatter stages in or another bucket refills.
+            self.storage.release()
             if self.cuda:  # the params' last readers were enqueued on the current stream
                 self.freed = torch.cuda.current_stream(self.pool.device).record_event()
                 self.window.ready = self.freed

@@ -237,6 +237,56 @@ def gradients_in_place(fsdp_params, grads: list):
             fp.fsdp_placement = placement
 
 
+class UnshardedStorage:
+    """The storages of a bucket's per-param all-gather outputs, freed and re-allocated where stock
+    FSDP2 frees (``free_storage``: ``resize_(0)`` at reshard) and re-allocates (``alloc_storage`` at
+    copy-out) its own. TIDE's outputs view the bucket's fixed address, which maps a pooled window
+    that other buckets refill after this one reshards, so every view of them (the unsharded
+    params, FSDP2's ``all_gather_outputs``, autograd's saved tensors, a user's views; all share
+    each output's StorageImpl) must stop reading it then, as they would with stock.
+
+    Where torch has ``UntypedStorage._swap_data_ptr_`` (2.13, 2.14), `release` swaps each output's
+    data pointer with an empty storage of its device: the StorageImpl is then 0 bytes, exactly as
+    stock's after ``resize_(0)`` (the same ``setStorage ... out of bounds for storage of size 0``
+    error on a view's use); `restore` swaps it back. Host-side pointer swaps: no allocation, no
+    synchronization. Without it (torch 2.11), `release` bumps each output's version counter,
+    which its views share, so autograd refuses a saved tensor used while the bucket is released
+    ("modified by an inplace operation"), and `restore` sets the version back (as stock's
+    copy-out preserves it); a view read directly outside autograd is not caught there."""
+
+    SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+    def __init__(self, outputs: list):
+        self.outputs = outputs
+        self.storages = [t.untyped_storage() for t in outputs]
+        # The other side of each swap: empty while the output is live, the output's bytes while not.
+        self.aside = [torch.UntypedStorage(0, device=t.device) for t in outputs] if self.SWAP else []
+        self.versions: list = []
+        self.live = True
+
+    def release(self) -> None:
+        if not self.live:
+            return
+        self.live = False
+        if self.SWAP:
+            for storage, aside in zip(self.storages, self.aside):
+                storage._swap_data_ptr_(aside)
+        else:
+            self.versions = [t._version for t in self.outputs]
+            for t in self.outputs:
+                torch.autograd.graph.increment_version(t)
+
+    def restore(self) -> None:
+        if self.live:
+            return
+        self.live = True
+        if self.SWAP:
+            for storage, aside in zip(self.storages, self.aside):
+                storage._swap_data_ptr_(aside)
+        else:
+            torch._C._autograd._unsafe_set_version_counter(tuple(self.outputs), tuple(self.versions))
+
+
 def forget_unsharded(fp) -> None:
     """Drops a param's unsharded tensors (a stock all-gather's, or TIDE's) so that the next
     all-gather's output backs the unsharded parameter."""
