@@ -650,3 +650,39 @@ def test_profiler_shows_tide_collectives_and_counts_are_per_step():
     names = results[0][1]
     assert any(n.startswith("tide::all_gather blocks.0 (") for n in names), sorted(names)[:20]
     assert any(n.startswith("tide::reduce_scatter <root> (") for n in names), sorted(names)[:20]
+
+
+# --- misuse after enable, named as the user knows the model -------------------------------------------
+
+def test_enable_on_a_submodule_after_the_model_names_the_group_by_its_model_path():
+    def rank_fn(rank):
+        model = make()
+        handle = tide.fsdp.enable(model)
+        try:
+            with pytest.raises(ValueError) as refused:
+                tide.fsdp.enable(model.blocks[0])
+        finally:
+            tide.fsdp.disable(model)
+        return str(refused.value), [b.path for b in handle.buckets]
+
+    for message, paths in threaded_world.run(2, rank_fn):
+        assert "param group blocks.0 is already handled" in message and "<root>" not in message, message
+        assert paths[0] == "<root>" and paths[1:] == [f"blocks.{i}" for i in range(GROUPS - 1)], paths
+
+
+def test_a_cast_after_enable_is_refused_saying_to_cast_before():
+    def rank_fn(rank):
+        model = make()
+        handle = tide.fsdp.enable(model)
+        model.to(torch.bfloat16)
+        tokens = torch.randint(0, h.VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+        with pytest.raises(ValueError) as refused:
+            model(tokens)
+        model.reset_iter_state()
+        tide.fsdp.disable(model)
+        return str(refused.value), handle.counts()
+
+    for message, counts in threaded_world.run(2, rank_fn):
+        assert "torch.bfloat16, but was torch.float32 at tide.fsdp.enable" in message, message
+        assert "cast the model before tide.fsdp.enable" in message and "param group <root>" in message, message
+        assert counts["all_gathers"] == 0, counts

@@ -201,8 +201,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
                          "fully_shard(...) on it (or its submodules) first")
     wait_ms = timeout_ms or _tide.default_timeout_ms()
     for path, pg in groups:
-        if any(getattr(fp, "_tide_bucket", None) is not None for fp in pg.fsdp_params):
-            raise ValueError(f"tide.fsdp.enable: param group {path} is already handled by TIDE")
+        handling = next((fp._tide_bucket for fp in pg.fsdp_params if getattr(fp, "_tide_bucket", None)), None)
+        if handling is not None:  # named as the enable that handles it named it (its model's path)
+            raise ValueError(f"tide.fsdp.enable: param group {handling.path} is already handled by TIDE "
+                             "(tide.fsdp.enable was called on a module containing it)")
         state = _fsdp2.state_fallback_reason(pg)
         if state:
             raise ValueError(f"tide.fsdp.enable: param group {path} {state}")

@@ -176,10 +176,14 @@ class Bucket:
         shards = []
         for p, fp in zip(self.layout.params, self.fsdp_params):
             data = fp._sharded_param_data
-            if data.dtype != TIDE_TO_TORCH[p.shard_dtype] or not data.is_contiguous():
+            if data.dtype != TIDE_TO_TORCH[p.shard_dtype]:
+                raise ValueError(f"tide.fsdp: param group {self.path}: {p.name} is {data.dtype}, but was "
+                                 f"{TIDE_TO_TORCH[p.shard_dtype]} at tide.fsdp.enable (model.to(dtype) "
+                                 "after enable?): cast the model before tide.fsdp.enable, or disable, "
+                                 "cast and enable again")
+            if not data.is_contiguous():
                 raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
-                                   f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
-                                   f"contiguous {TIDE_TO_TORCH[p.shard_dtype]}")
+                                   "not contiguous (FSDP2 internals changed?)")
             if stream is not None and data.device.type == "cpu" and fp.offload_to_cpu:
                 data = data.to(self.pool.device, non_blocking=data.is_pinned())
             if data.device.type != self.pool.device.type:

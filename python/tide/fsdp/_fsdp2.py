@@ -81,8 +81,9 @@ def check_torch_version() -> None:
 
 def param_groups(module: torch.nn.Module) -> list:
     """(module path, FSDPParamGroup) for every param group under `module`, in module order
-    (identical on every rank). The path comes from the module tree: FSDP2 sets its own
-    ``_module_fqn`` only at lazy init (first forward)."""
+    (identical on every rank). The path is the group's in the model its FSDP root belongs to:
+    FSDP2's own ``_module_fqn`` once lazy init (the first forward) has set it, else the path under
+    `module` (before lazy init, the module passed is all there is to go by)."""
     groups, seen = [], set()
     for path, m in module.named_modules():
         get_state = getattr(m, "_get_fsdp_state", None)
@@ -96,7 +97,8 @@ def param_groups(module: torch.nn.Module) -> list:
         for g in found:
             if id(g) not in seen:
                 seen.add(id(g))
-                groups.append((path or "<root>", g))
+                fqn = getattr(g, "_module_fqn", None)
+                groups.append(((fqn if fqn is not None else path) or "<root>", g))
     return groups
 
 
