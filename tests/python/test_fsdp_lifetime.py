@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import fsdp_harness as h
@@ -63,8 +65,9 @@ def make() -> Net:
 
 def build(device, reshard: bool = True):
     model = make().to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # not the default: cuda where there is one
     for module in [*model.blocks, model]:
-        fully_shard(module, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
         if not reshard:  # nothing reshards before the step ends: stock keeps every storage
             module.set_reshard_after_backward(False, recurse=False)
     return model
@@ -81,11 +84,13 @@ def gradient_penalty(model, x):
     (y + g.pow(2).sum()).backward()
 
 
-def reference(world) -> list:
-    """The exact result: one process, the whole batch (FSDP2 averages the ranks' gradients)."""
+def reference(world, rank) -> list:
+    """The exact result, as `rank`'s shards (FSDP2's torch.chunk on dim 0): one process, the whole
+    batch (FSDP2 averages the ranks' gradients)."""
     model = make()
     gradient_penalty(model, inputs(world))
-    return [p.grad / world for p in model.parameters()]
+    shards = [torch.chunk(p.grad / world, world) for p in model.parameters()]
+    return [s[rank] if rank < len(s) else s[0][:0] for s in shards]
 
 
 def _outcome(model, x, handle=None) -> dict:
@@ -94,7 +99,7 @@ def _outcome(model, x, handle=None) -> dict:
         for m in model.modules():  # the sharded params (with their gradients) back on the modules
             if isinstance(m, FSDPModule):
                 m.reshard()
-        out = {"grads": [p.grad.full_tensor().cpu() for p in model.parameters()]}
+        out = {"grads": [p.grad.to_local().cpu() for p in model.parameters()]}
     except RuntimeError as e:
         out = {"error": (type(e).__name__, str(e))}
         if hasattr(model, "reset_iter_state"):  # the step died inside backward (torch >= 2.13)
@@ -117,8 +122,8 @@ def penalty_rank(rank, world, device, reshard):
 
 
 def check_penalty(results, world, reshard):
-    ref = reference(world)
     for rank, (stock, mine) in enumerate(results):
+        ref = reference(world, rank)
         where = f"W={world} reshard={reshard} rank {rank}"
         assert mine["buckets"] == GROUPS and mine["fallbacks"] == [], (where, mine)
         assert mine["counts"]["all_gathers"] >= GROUPS and mine["counts"]["remaps"] > 0, (where, mine["counts"])
@@ -176,7 +181,7 @@ def _kept_view(model, device, world, rank) -> dict:
     model(x).sum().backward()  # gathered again: the kept view shows the group's new params
     handle.remove()
     out["same_data"] = seen["same_data"]
-    out["now"] = model.blocks[0].a.weight.full_tensor().cpu()
+    out["now"] = model.blocks[0].a.weight.to_local().detach().cpu()
     return out
 
 
