@@ -115,8 +115,15 @@ def _static_fallback_reason(param_group, group, param_name) -> str:
     reason = _fsdp2.custom_comm_reason(param_group)
     if reason:
         return reason
+    if not any(_fsdp2.has_bytes(fp) for fp in param_group.fsdp_params):
+        return "every param is zero-size (nothing to communicate)"
     for i, fp in enumerate(param_group.fsdp_params):
         name = param_name(fp, i)
+        if not _fsdp2.has_bytes(fp) and fp.sharded_param.requires_grad:
+            # Frozen ones are left out of the window; a trainable one's empty gradient stock's own
+            # reduce-scatter refuses (chunk_cat: "expects non-empty tensor"), so stock keeps it.
+            return (f"{name} is zero-size {tuple(_fsdp2.unsharded_shape(fp))} and trainable (stock FSDP2's "
+                    "reduce-scatter refuses its empty gradient)")
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
             return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
         orig, comm = _fsdp2.dtypes(fp, param_group)
@@ -142,11 +149,12 @@ def _multi_node_reason(param_group, param_name) -> str:
 
 
 def _specs(param_group, param_name) -> list:
+    """The window layout's params: those with bytes (a frozen zero-size param has no slot)."""
     return [_tide.ParamSpec(param_name(fp, i), list(fp._orig_size),
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[1]],
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[0]],
                             shard_dim=fp.fsdp_placement.dim)
-            for i, fp in enumerate(param_group.fsdp_params)]
+            for i, fp in enumerate(param_group.fsdp_params) if _fsdp2.has_bytes(fp)]
 
 
 def _identity(path: str, param_group, reason: str, param_name) -> list:

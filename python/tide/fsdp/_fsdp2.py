@@ -206,6 +206,16 @@ def param_names(module: torch.nn.Module):
     return name
 
 
+def unsharded_shape(fp) -> torch.Size:
+    """A param's unsharded (original) shape."""
+    return fp._orig_size
+
+
+def has_bytes(fp) -> bool:
+    """False for a zero-size param (a dim of 0): nothing to gather or reduce, no place in a window."""
+    return fp._orig_size.numel() > 0
+
+
 def dtypes(fp, param_group) -> tuple:
     """(sharded dtype, unsharded/communication dtype) of a param. FSDPParam sets its own dtype
     attributes only at lazy init (first forward); enable() may run before that."""
