@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _tide
-from . import _dispatch, _fsdp2, _hooks, _layout
+from . import _dispatch, _fsdp2, _hooks
 from ._agreement import check_agreement
 from ._bucket import TORCH_TO_TIDE, Bucket, Counts
 from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
@@ -124,18 +124,18 @@ def _static_fallback_reason(param_group, group, param_name) -> str:
             # reduce-scatter refuses (chunk_cat: "expects non-empty tensor"), so stock keeps it.
             return (f"{name} is zero-size {tuple(_fsdp2.unsharded_shape(fp))} and trainable (stock FSDP2's "
                     "reduce-scatter refuses its empty gradient)")
-        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+        if _fsdp2.has_all_gather_extension(fp):
             return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
         orig, comm = _fsdp2.dtypes(fp, param_group)
         if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
             return f"{name} has dtype {orig} (communicated as {comm})"
-        dim = fp.fsdp_placement.dim
+        dim, shape, padded = fp.fsdp_placement.dim, _fsdp2.unsharded_shape(fp), _fsdp2.padded_shard_shape(fp)
         if dim == 0:
-            d0 = fp._orig_size[0] if len(fp._orig_size) else 1
-            if fp.padded_sharded_param_size[0] != -(-d0 // group.size()):
-                return f"{name}: padded shard {tuple(fp.padded_sharded_param_size)} is not ceil(d0/W) rows"
-        elif fp._orig_size[dim] % group.size() != 0:  # FSDP2 itself refuses this today
-            return f"{name} is sharded on dim {dim} of size {fp._orig_size[dim]}, not a multiple of W = {group.size()}"
+            d0 = shape[0] if len(shape) else 1
+            if padded[0] != -(-d0 // group.size()):
+                return f"{name}: padded shard {tuple(padded)} is not ceil(d0/W) rows"
+        elif shape[dim] % group.size() != 0:  # FSDP2 itself refuses this today
+            return f"{name} is sharded on dim {dim} of size {shape[dim]}, not a multiple of W = {group.size()}"
     return ""
 
 
@@ -150,7 +150,7 @@ def _multi_node_reason(param_group, param_name) -> str:
 
 def _specs(param_group, param_name) -> list:
     """The window layout's params: those with bytes (a frozen zero-size param has no slot)."""
-    return [_tide.ParamSpec(param_name(fp, i), list(fp._orig_size),
+    return [_tide.ParamSpec(param_name(fp, i), list(_fsdp2.unsharded_shape(fp)),
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[1]],
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[0]],
                             shard_dim=fp.fsdp_placement.dim)
@@ -160,7 +160,7 @@ def _specs(param_group, param_name) -> list:
 def _identity(path: str, param_group, reason: str, param_name) -> list:
     """What every rank of the group must agree on about one param group: its place in the FSDP
     tree, its params' names, shapes, dtypes and shard dims, and whether TIDE takes it."""
-    params = [[param_name(fp, i), list(fp._orig_size), str(_fsdp2.dtypes(fp, param_group)[0]),
+    params = [[param_name(fp, i), list(_fsdp2.unsharded_shape(fp)), str(_fsdp2.dtypes(fp, param_group)[0]),
                str(_fsdp2.dtypes(fp, param_group)[1]), fp.fsdp_placement.dim]
               for i, fp in enumerate(param_group.fsdp_params)]
     return [path, params, reason]
@@ -274,15 +274,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             result.pools.append(pool)
             for b in members:
                 b.attach(pool)
-    # Where torch offers FSDP's all-gather layout hook (>= 2.15), all-gathers go through it. The
-    # hooks first (their lookup can fail, installing none), then the layouts, undone if one fails.
-    _hooks.acquire(_layout.replacements_for(result.buckets))
-    try:
-        _layout.install(result.buckets)
-    except BaseException:
-        _layout.uninstall(result.buckets)
-        _hooks.release()
-        raise
+    _hooks.acquire(_dispatch.REPLACEMENTS)  # their lookup can fail: then none is installed
     for b in result.buckets:
         for fp in b.fsdp_params:
             # A stock all-gather may have run before: its tensors must not back TIDE's params.
@@ -304,7 +296,6 @@ def disable(module: torch.nn.Module) -> None:
     del _enabled[id(module)]
     for pool in result.pools:
         pool.release_pending()
-    _layout.uninstall(result.buckets)  # torch >= 2.15: FSDP's default layout back (_layout.py)
     for b in result.buckets:
         for fp in b.fsdp_params:
             del fp._tide_bucket

@@ -186,7 +186,7 @@ class Bucket:
         stream's order, after the all-gather has read it."""
         shards = []
         for p, fp in zip(self.layout.params, self.laid_out):
-            data = fp._sharded_param_data
+            data = _fsdp2.sharded_data(fp)
             if data.dtype != TIDE_TO_TORCH[p.shard_dtype]:
                 raise ValueError(f"tide.fsdp: param group {self.path}: {p.name} is {data.dtype}, but was "
                                  f"{TIDE_TO_TORCH[p.shard_dtype]} at tide.fsdp.enable (model.to(dtype) "
@@ -195,7 +195,7 @@ class Bucket:
             if not data.is_contiguous():
                 raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
                                    "not contiguous (FSDP2 internals changed?)")
-            if stream is not None and data.device.type == "cpu" and fp.offload_to_cpu:
+            if stream is not None and data.device.type == "cpu" and _fsdp2.offloaded(fp):
                 data = data.to(self.pool.device, non_blocking=data.is_pinned())
             if data.device.type != self.pool.device.type:
                 raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
@@ -209,8 +209,7 @@ class Bucket:
     def copy_out(self) -> None:
         self.storage.restore()  # where stock's copy-out re-allocates the outputs' storage
         for fp, out in zip(self.fsdp_params, self.all_gather_outputs):
-            if not fp.all_gather_outputs or fp.all_gather_outputs[0] is not out:
-                fp.all_gather_outputs = [out]
+            _fsdp2.set_all_gather_output(fp, out)
 
     def on_params_freed(self) -> None:
         if self.window is None:
