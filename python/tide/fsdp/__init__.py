@@ -16,7 +16,8 @@ What changes for a handled FSDP2 param group ("bucket"):
   is stock FSDP2's own code.
 
 The modules, by role: ``_fsdp2`` (every private FSDP2 symbol: the version adapter), ``_hooks``
-(how TIDE hooks FSDP2's functions), ``_dispatch`` (TIDE's versions of them), ``_bucket`` (one
+(how TIDE hooks FSDP2's functions), ``_dispatch`` (TIDE's versions of them), ``_fallbacks`` (why a
+group or call stays stock), ``_bucket`` (one
 handled param group), ``_pool`` (pooled windows), ``_placement`` (nodes and transports),
 ``_agreement`` (ranks agreeing through the store). docs/ARCHITECTURE.md has the design.
 """
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _tide
-from . import _dispatch, _fsdp2, _hooks
+from . import _dispatch, _fallbacks, _fsdp2, _hooks
 from ._agreement import check_agreement
 from ._bucket import TORCH_TO_TIDE, Bucket, Counts
 from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
@@ -96,56 +97,6 @@ class TideFSDP:
 
 
 _enabled: dict = {}  # id(module) -> TideFSDP
-
-
-def _static_fallback_reason(param_group, group, param_name) -> str:
-    """Why a param group stays stock FSDP2, from the group alone ("" if TIDE can take it)."""
-    if not _fsdp2.is_sharded(param_group):
-        return "not sharded (replicate(): DDP mesh), so there is no all-gather or reduce-scatter to take"
-    if group is None or group.size() <= 1:
-        return "world size 1 (nothing to communicate)"
-    device = param_group.device
-    if device.type == "cuda":
-        if not _tide.cuda_built:
-            return "device cuda: this build of TIDE has no CUDA transport (built without nvcc)"
-    elif device.type != "cpu":
-        return f"device {device}: TIDE runs on CPU and CUDA devices"
-    if _fsdp2.uses_post_forward_mesh(param_group):
-        return "reshard_after_forward as an int (post-forward resharding to a smaller mesh)"
-    reason = _fsdp2.custom_comm_reason(param_group)
-    if reason:
-        return reason
-    if not any(_fsdp2.has_bytes(fp) for fp in param_group.fsdp_params):
-        return "every param is zero-size (nothing to communicate)"
-    for i, fp in enumerate(param_group.fsdp_params):
-        name = param_name(fp, i)
-        if not _fsdp2.has_bytes(fp) and fp.sharded_param.requires_grad:
-            # Frozen ones are left out of the window; a trainable one's empty gradient stock's own
-            # reduce-scatter refuses (chunk_cat: "expects non-empty tensor"), so stock keeps it.
-            return (f"{name} is zero-size {tuple(_fsdp2.unsharded_shape(fp))} and trainable (stock FSDP2's "
-                    "reduce-scatter refuses its empty gradient)")
-        if _fsdp2.has_all_gather_extension(fp):
-            return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
-        orig, comm = _fsdp2.dtypes(fp, param_group)
-        if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
-            return f"{name} has dtype {orig} (communicated as {comm})"
-        dim, shape, padded = fp.fsdp_placement.dim, _fsdp2.unsharded_shape(fp), _fsdp2.padded_shard_shape(fp)
-        if dim == 0:
-            d0 = shape[0] if len(shape) else 1
-            if padded[0] != -(-d0 // group.size()):
-                return f"{name}: padded shard {tuple(padded)} is not ceil(d0/W) rows"
-        elif shape[dim] % group.size() != 0:  # FSDP2 itself refuses this today
-            return f"{name} is sharded on dim {dim} of size {shape[dim]}, not a multiple of W = {group.size()}"
-    return ""
-
-
-def _multi_node_reason(param_group, param_name) -> str:
-    """Why a group spanning several nodes stays stock ("" if TIDE can take it)."""
-    for i, fp in enumerate(param_group.fsdp_params):
-        if fp.fsdp_placement.dim != 0:
-            return (f"{param_name(fp, i)} is sharded on dim {fp.fsdp_placement.dim} and the group spans "
-                    "nodes: TIDE's multi-node plans shard on dim 0 only")
-    return ""
 
 
 def _specs(param_group, param_name) -> list:
@@ -223,12 +174,12 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     by_group: dict = {}  # group ranks -> (process group, identities in module order)
     for bucket_id, (path, pg) in enumerate(groups):
         group = _fsdp2.process_group(pg)
-        reason = _static_fallback_reason(pg, group, param_name)
+        reason = _fallbacks.group_reason(pg, group, param_name)
         topology = None
         if not reason:
             topology, reason = topology_for(dist.get_process_group_ranks(group), ranks_per_node)
             if not reason and topology.nodes > 1:
-                reason = _multi_node_reason(pg, param_name)
+                reason = _fallbacks.multi_node_reason(pg, param_name)
         decided.append((bucket_id, path, pg, group, topology, reason))
         if group is not None and group.size() > 1:
             key = tuple(dist.get_process_group_ranks(group))

@@ -8,8 +8,8 @@ import threading
 
 import torch
 
-from . import _fsdp2, _hooks
-from ._bucket import TORCH_TO_TIDE, ReduceScatterComm
+from . import _fallbacks, _fsdp2, _hooks
+from ._bucket import ReduceScatterComm
 
 log = logging.getLogger("tide.fsdp")
 _logged: set = set()
@@ -64,7 +64,7 @@ def foreach_reduce(*args, **kwargs):
     bucket = _bucket_of(fsdp_params)
     if bucket is None:
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
-    reason = _reduce_fallback_reason(fsdp_params, grads, call)
+    reason = _fallbacks.reduce_scatter_reason(fsdp_params, grads, call)
     if reason:
         _log_once(("rs", bucket.path, reason), "tide.fsdp: param group %s: this reduce-scatter runs "
                   "stock FSDP2: %s", bucket.path, reason)
@@ -85,25 +85,6 @@ def _pending_comms() -> list:
     if not hasattr(_local, "comms"):
         _local.comms = []
     return _local.comms
-
-
-def _reduce_fallback_reason(fsdp_params, grads, call) -> str:
-    comm = call.get("reduce_scatter_comm")
-    if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
-        return f"a custom reduce-scatter comm ({type(comm).__name__})"
-    grad_dtypes = {g.dtype for g in grads}
-    if len(grad_dtypes) != 1:
-        return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"
-    grad_dtype = grads[0].dtype
-    reduce_dtype = call.get("reduce_dtype") or grad_dtype
-    if grad_dtype not in TORCH_TO_TIDE or reduce_dtype not in (torch.float32, grad_dtype):
-        return f"gradient dtype {grad_dtype} with reduce dtype {reduce_dtype}"
-    if reduce_dtype not in (torch.float32, torch.bfloat16):
-        return f"reduce dtype {reduce_dtype} is pre-divided by stock FSDP2 against overflow"
-    if any(not g.is_contiguous() or g.shape != _fsdp2.unsharded_shape(fp)
-           for g, fp in zip(grads, fsdp_params)):
-        return "non-contiguous or reshaped gradients"
-    return ""
 
 
 def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size):
