@@ -121,7 +121,10 @@ def penalty_rank(rank, world, device, reshard):
     return stock, _outcome(model, x, tide.fsdp.enable(model, timeout_ms=30000))
 
 
-def check_penalty(results, world, reshard):
+def check_penalty(results, world, reshard, device_type="cpu"):
+    # On a GPU the reference (CPU) and the ranks' kernels sum in other orders; the second-order
+    # terms amplify that to ~1e-4 (measured on an H200, torch 2.11).
+    tol = dict(rtol=1e-3, atol=1e-3) if device_type == "cuda" else dict(rtol=1e-5, atol=1e-6)
     for rank, (stock, mine) in enumerate(results):
         ref = reference(world, rank)
         where = f"W={world} reshard={reshard} rank {rank}"
@@ -137,9 +140,9 @@ def check_penalty(results, world, reshard):
             assert "error" not in stock and "error" not in mine, (where, stock.get("error"), mine.get("error"))
             assert mine["counts"]["reduce_scatters"] == GROUPS, (where, mine["counts"])
             for got, want in zip(mine["grads"], ref):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got, want, **tol)
             for got, want in zip(mine["grads"], stock["grads"]):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["resharded", "kept"])
@@ -153,7 +156,8 @@ def test_gradient_penalty_thread_ranks(world, reshard):
 @pytest.mark.parametrize("reshard", [True, False], ids=["resharded", "kept"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_gradient_penalty_process_ranks(world, reshard, device_type):
-    check_penalty(h.run_processes(world, penalty_rank, reshard, device_type=device_type), world, reshard)
+    check_penalty(h.run_processes(world, penalty_rank, reshard, device_type=device_type), world, reshard,
+                  device_type)
 
 
 # --- a user's view of an unsharded param, kept across a reshard --------------------------------------
