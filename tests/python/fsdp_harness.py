@@ -321,3 +321,28 @@ def compare(world, build, train, groups, tol=0.0, before_train=None, stock_copy=
         assert_handled(handle, ops, groups)
         assert diff <= tol, f"rank {rank}: max |TIDE - stock| = {diff} > {tol}"
     return [(diff, handle, ops) for diff, handle, _, ops in results]
+
+
+# --- any function on ranks as spawned processes ------------------------------------------------------
+
+def _fn_worker(rank, world, port, fn, args, out_dir, device_type):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu")
+    if device_type == "cuda":  # ranks share the GPUs; NCCL refuses that, gloo does not
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, device, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_processes(world: int, fn, *args, device_type: str = "cpu") -> list:
+    """fn(rank, world, device, *args) on `world` spawned processes (gloo; on CUDA the ranks share the
+    GPUs); returns the results in rank order. `fn` must be importable (a module-level function) and
+    return what torch.save can store (an exception as its text)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_fn_worker, args=(world, _free_port(), fn, args, out_dir, device_type),
+                           nprocs=world, join=True, start_method="spawn")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

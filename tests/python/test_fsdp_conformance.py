@@ -650,3 +650,87 @@ def test_profiler_shows_tide_collectives_and_counts_are_per_step():
     names = results[0][1]
     assert any(n.startswith("tide::all_gather blocks.0 (") for n in names), sorted(names)[:20]
     assert any(n.startswith("tide::reduce_scatter <root> (") for n in names), sorted(names)[:20]
+
+
+# --- misuse after enable, named as the user knows the model -------------------------------------------
+
+def test_enable_on_a_submodule_after_the_model_names_the_group_by_its_model_path():
+    def rank_fn(rank):
+        model = make()
+        handle = tide.fsdp.enable(model)
+        try:
+            with pytest.raises(ValueError) as refused:
+                tide.fsdp.enable(model.blocks[0])
+        finally:
+            tide.fsdp.disable(model)
+        return str(refused.value), [b.path for b in handle.buckets]
+
+    for message, paths in threaded_world.run(2, rank_fn):
+        assert "param group blocks.0 is already handled" in message and "<root>" not in message, message
+        assert paths[0] == "<root>" and paths[1:] == [f"blocks.{i}" for i in range(GROUPS - 1)], paths
+
+
+def test_a_cast_after_enable_is_refused_saying_to_cast_before():
+    def rank_fn(rank):
+        model = make()
+        handle = tide.fsdp.enable(model)
+        model.to(torch.bfloat16)
+        tokens = torch.randint(0, h.VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+        with pytest.raises(ValueError) as refused:
+            model(tokens)
+        model.reset_iter_state()
+        tide.fsdp.disable(model)
+        return str(refused.value), handle.counts()
+
+    for message, counts in threaded_world.run(2, rank_fn):
+        assert "torch.bfloat16, but was torch.float32 at tide.fsdp.enable" in message, message
+        assert "cast the model before tide.fsdp.enable" in message and "param group <root>" in message, message
+        assert counts["all_gathers"] == 0, counts
+
+
+# --- zero-size params ---------------------------------------------------------------------------------
+
+def _with_empty_params(shape, trainable):
+    with _construct:
+        torch.manual_seed(0)
+        model = h.TinyLlama()
+    for block in model.blocks:  # a param with a dim of 0 in every block
+        block.register_parameter("empty", torch.nn.Parameter(torch.zeros(shape), requires_grad=trainable))
+        fully_shard(block)
+        # Used in forward (after FSDP2's pre-forward unshard), so a trainable one gets a gradient.
+        block.register_forward_pre_hook(lambda m, args: (args[0] + m.empty.sum(),))
+    fully_shard(model)
+    return model
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (1, 0, 5)])
+def test_frozen_zero_size_params_are_handled(shape):
+    # No bytes in the window, an empty all-gather output, no reduce-scatter: bitwise stock's.
+    compare(2, lambda: _with_empty_params(shape, trainable=False))
+
+
+def test_trainable_zero_size_params_stay_stock_with_stock_s_error():
+    # Stock's reduce-scatter refuses the empty gradient (chunk_cat); such a group stays stock, so the
+    # same error comes from the same place.
+    def rank_fn(rank):
+        errors = []
+        for enable in (False, True):
+            model = _with_empty_params((0, 5), trainable=True)
+            handle = tide.fsdp.enable(model) if enable else None
+            tokens = torch.randint(0, h.VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+            try:
+                model(tokens).sum().backward()
+            except RuntimeError as e:
+                errors.append(str(e))
+            model.reset_iter_state()
+            model.unshard()  # the root's unsharded gradients, left by the failed backward, dropped
+            model.zero_grad(set_to_none=True)
+            model.reshard()
+        tide.fsdp.disable(model)
+        return errors, handle
+
+    for errors, handle in threaded_world.run(2, rank_fn):
+        assert len(errors) == 2 and errors[0] == errors[1] and "non-empty" in errors[0], errors
+        assert [p for p, _ in handle.fallbacks] == [f"blocks.{i}" for i in range(GROUPS - 1)], handle.fallbacks
+        assert all("zero-size (0, 5) and trainable" in r for _, r in handle.fallbacks), handle.fallbacks
+        assert [b.path for b in handle.buckets] == ["<root>"], handle.buckets

@@ -16,7 +16,8 @@ What changes for a handled FSDP2 param group ("bucket"):
   is stock FSDP2's own code.
 
 The modules, by role: ``_fsdp2`` (every private FSDP2 symbol: the version adapter), ``_hooks``
-(how TIDE hooks FSDP2's functions), ``_dispatch`` (TIDE's versions of them), ``_bucket`` (one
+(how TIDE hooks FSDP2's functions), ``_dispatch`` (TIDE's versions of them), ``_fallbacks`` (why a
+group or call stays stock), ``_bucket`` (one
 handled param group), ``_pool`` (pooled windows), ``_placement`` (nodes and transports),
 ``_agreement`` (ranks agreeing through the store). docs/ARCHITECTURE.md has the design.
 """
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _tide
-from . import _dispatch, _fsdp2, _hooks, _layout
+from . import _dispatch, _fallbacks, _fsdp2, _hooks
 from ._agreement import check_agreement
 from ._bucket import TORCH_TO_TIDE, Bucket, Counts
 from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
@@ -98,61 +99,19 @@ class TideFSDP:
 _enabled: dict = {}  # id(module) -> TideFSDP
 
 
-def _static_fallback_reason(param_group, group, param_name) -> str:
-    """Why a param group stays stock FSDP2, from the group alone ("" if TIDE can take it)."""
-    if not _fsdp2.is_sharded(param_group):
-        return "not sharded (replicate(): DDP mesh), so there is no all-gather or reduce-scatter to take"
-    if group is None or group.size() <= 1:
-        return "world size 1 (nothing to communicate)"
-    device = param_group.device
-    if device.type == "cuda":
-        if not _tide.cuda_built:
-            return "device cuda: this build of TIDE has no CUDA transport (built without nvcc)"
-    elif device.type != "cpu":
-        return f"device {device}: TIDE runs on CPU and CUDA devices"
-    if _fsdp2.uses_post_forward_mesh(param_group):
-        return "reshard_after_forward as an int (post-forward resharding to a smaller mesh)"
-    reason = _fsdp2.custom_comm_reason(param_group)
-    if reason:
-        return reason
-    for i, fp in enumerate(param_group.fsdp_params):
-        name = param_name(fp, i)
-        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
-        orig, comm = _fsdp2.dtypes(fp, param_group)
-        if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
-            return f"{name} has dtype {orig} (communicated as {comm})"
-        dim = fp.fsdp_placement.dim
-        if dim == 0:
-            d0 = fp._orig_size[0] if len(fp._orig_size) else 1
-            if fp.padded_sharded_param_size[0] != -(-d0 // group.size()):
-                return f"{name}: padded shard {tuple(fp.padded_sharded_param_size)} is not ceil(d0/W) rows"
-        elif fp._orig_size[dim] % group.size() != 0:  # FSDP2 itself refuses this today
-            return f"{name} is sharded on dim {dim} of size {fp._orig_size[dim]}, not a multiple of W = {group.size()}"
-    return ""
-
-
-def _multi_node_reason(param_group, param_name) -> str:
-    """Why a group spanning several nodes stays stock ("" if TIDE can take it)."""
-    for i, fp in enumerate(param_group.fsdp_params):
-        if fp.fsdp_placement.dim != 0:
-            return (f"{param_name(fp, i)} is sharded on dim {fp.fsdp_placement.dim} and the group spans "
-                    "nodes: TIDE's multi-node plans shard on dim 0 only")
-    return ""
-
-
 def _specs(param_group, param_name) -> list:
-    return [_tide.ParamSpec(param_name(fp, i), list(fp._orig_size),
+    """The window layout's params: those with bytes (a frozen zero-size param has no slot)."""
+    return [_tide.ParamSpec(param_name(fp, i), list(_fsdp2.unsharded_shape(fp)),
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[1]],
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[0]],
                             shard_dim=fp.fsdp_placement.dim)
-            for i, fp in enumerate(param_group.fsdp_params)]
+            for i, fp in enumerate(param_group.fsdp_params) if _fsdp2.has_bytes(fp)]
 
 
 def _identity(path: str, param_group, reason: str, param_name) -> list:
     """What every rank of the group must agree on about one param group: its place in the FSDP
     tree, its params' names, shapes, dtypes and shard dims, and whether TIDE takes it."""
-    params = [[param_name(fp, i), list(fp._orig_size), str(_fsdp2.dtypes(fp, param_group)[0]),
+    params = [[param_name(fp, i), list(_fsdp2.unsharded_shape(fp)), str(_fsdp2.dtypes(fp, param_group)[0]),
                str(_fsdp2.dtypes(fp, param_group)[1]), fp.fsdp_placement.dim]
               for i, fp in enumerate(param_group.fsdp_params)]
     return [path, params, reason]
@@ -201,8 +160,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
                          "fully_shard(...) on it (or its submodules) first")
     wait_ms = timeout_ms or _tide.default_timeout_ms()
     for path, pg in groups:
-        if any(getattr(fp, "_tide_bucket", None) is not None for fp in pg.fsdp_params):
-            raise ValueError(f"tide.fsdp.enable: param group {path} is already handled by TIDE")
+        handling = next((fp._tide_bucket for fp in pg.fsdp_params if getattr(fp, "_tide_bucket", None)), None)
+        if handling is not None:  # named as the enable that handles it named it (its model's path)
+            raise ValueError(f"tide.fsdp.enable: param group {handling.path} is already handled by TIDE "
+                             "(tide.fsdp.enable was called on a module containing it)")
         state = _fsdp2.state_fallback_reason(pg)
         if state:
             raise ValueError(f"tide.fsdp.enable: param group {path} {state}")
@@ -213,12 +174,12 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     by_group: dict = {}  # group ranks -> (process group, identities in module order)
     for bucket_id, (path, pg) in enumerate(groups):
         group = _fsdp2.process_group(pg)
-        reason = _static_fallback_reason(pg, group, param_name)
+        reason = _fallbacks.group_reason(pg, group, param_name)
         topology = None
         if not reason:
             topology, reason = topology_for(dist.get_process_group_ranks(group), ranks_per_node)
             if not reason and topology.nodes > 1:
-                reason = _multi_node_reason(pg, param_name)
+                reason = _fallbacks.multi_node_reason(pg, param_name)
         decided.append((bucket_id, path, pg, group, topology, reason))
         if group is not None and group.size() > 1:
             key = tuple(dist.get_process_group_ranks(group))
@@ -264,15 +225,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             result.pools.append(pool)
             for b in members:
                 b.attach(pool)
-    # Where torch offers FSDP's all-gather layout hook (>= 2.15), all-gathers go through it. The
-    # hooks first (their lookup can fail, installing none), then the layouts, undone if one fails.
-    _hooks.acquire(_layout.replacements_for(result.buckets))
-    try:
-        _layout.install(result.buckets)
-    except BaseException:
-        _layout.uninstall(result.buckets)
-        _hooks.release()
-        raise
+    _hooks.acquire(_dispatch.REPLACEMENTS)  # their lookup can fail: then none is installed
     for b in result.buckets:
         for fp in b.fsdp_params:
             # A stock all-gather may have run before: its tensors must not back TIDE's params.
@@ -294,7 +247,6 @@ def disable(module: torch.nn.Module) -> None:
     del _enabled[id(module)]
     for pool in result.pools:
         pool.release_pending()
-    _layout.uninstall(result.buckets)  # torch >= 2.15: FSDP's default layout back (_layout.py)
     for b in result.buckets:
         for fp in b.fsdp_params:
             del fp._tide_bucket

@@ -66,7 +66,10 @@ class Bucket:
     def __init__(self, bucket_id: int, path: str, param_group, group, layout, net, counts: Counts):
         self.id, self.path, self.param_group, self.group = bucket_id, path, param_group, group
         self.fsdp_params = list(param_group.fsdp_params)
-        self.index = {id(p): i for i, p in enumerate(self.fsdp_params)}
+        # The params with bytes, in layout order (layout.params[i] is laid_out[i]); a frozen
+        # zero-size param has no slot: its all-gather output is an empty tensor of its own.
+        self.laid_out = [fp for fp in self.fsdp_params if _fsdp2.has_bytes(fp)]
+        self.index = {id(p): i for i, p in enumerate(self.laid_out)}
         self.layout, self.net, self.counts = layout, net, counts
         self.rank = group.rank()
         self.ag_program = _tide.plan_all_gather(layout, self.rank, bucket_id, net)
@@ -76,10 +79,14 @@ class Bucket:
                                 _tide.plan_reduce_scatter(layout, self.rank, _tide.ReduceOptions(),
                                                           bucket_id, net).window_bytes)
         self.ag_bytes = sum(layout.world * p.slot_bytes for p in layout.params)
+        shard_numels = iter(p.shard_numel for p in layout.params)
+        self.numels = [next(shard_numels) if _fsdp2.has_bytes(fp) else 0 for fp in self.fsdp_params]
         self.rs_programs: dict = {}
         self.pool = None
         self.range = None
-        self.param_outputs: list[torch.Tensor] = []
+        self.param_outputs: list[torch.Tensor] = []  # per layout param: its view of the fixed address
+        self.all_gather_outputs: list[torch.Tensor] = []  # per FSDP param, what FSDP2 builds it from
+        self.storage: _fsdp2.UnshardedStorage | None = None  # the outputs' storages, freed at reshard
         self.window = None  # the PooledWindow this bucket holds now
         self.mapped = None  # the PooledWindow mapped at the fixed address (kept after release)
         self.vacated = False
@@ -104,6 +111,13 @@ class Bucket:
                 raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.range.ptr + p.window_offset),
                                        dtype=torch.uint8)
             self.param_outputs.append(raw.view(TIDE_TO_TORCH[p.dtype]))
+        self.storage = _fsdp2.UnshardedStorage(self.param_outputs)
+        # Per FSDP param (FSDP2's order): its window view, or an empty tensor for a zero-size one.
+        views = iter(self.param_outputs)
+        self.all_gather_outputs = [next(views) if _fsdp2.has_bytes(fp) else
+                                   torch.empty(0, dtype=_fsdp2.dtypes(fp, self.param_group)[1],
+                                               device=self.pool.device)
+                                   for fp in self.fsdp_params]
 
     def _map_window(self) -> None:
         if self.mapped is self.window:
@@ -162,8 +176,7 @@ class Bucket:
                 self.window.executor.run(self.ag_program, [s.data_ptr() for s in self._shards(None)])
         self.counts.all_gathers += 1
         self.counts.all_gather_bytes += self.ag_bytes
-        return _fsdp2.all_gather_result(self.param_outputs[0], self.fsdp_params,
-                                        [p.shard_numel for p in self.layout.params], event)
+        return _fsdp2.all_gather_result(self.param_outputs[0], self.fsdp_params, self.numels, event)
 
     def _shards(self, stream) -> list:
         """Each param's padded shard as the all-gather reads it. With CPU offload on CUDA the
@@ -172,13 +185,17 @@ class Bucket:
         Allocated on that stream, so the allocator hands its memory out again only in that
         stream's order, after the all-gather has read it."""
         shards = []
-        for p, fp in zip(self.layout.params, self.fsdp_params):
-            data = fp._sharded_param_data
-            if data.dtype != TIDE_TO_TORCH[p.shard_dtype] or not data.is_contiguous():
+        for p, fp in zip(self.layout.params, self.laid_out):
+            data = _fsdp2.sharded_data(fp)
+            if data.dtype != TIDE_TO_TORCH[p.shard_dtype]:
+                raise ValueError(f"tide.fsdp: param group {self.path}: {p.name} is {data.dtype}, but was "
+                                 f"{TIDE_TO_TORCH[p.shard_dtype]} at tide.fsdp.enable (model.to(dtype) "
+                                 "after enable?): cast the model before tide.fsdp.enable, or disable, "
+                                 "cast and enable again")
+            if not data.is_contiguous():
                 raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
-                                   f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
-                                   f"contiguous {TIDE_TO_TORCH[p.shard_dtype]}")
-            if stream is not None and data.device.type == "cpu" and fp.offload_to_cpu:
+                                   "not contiguous (FSDP2 internals changed?)")
+            if stream is not None and data.device.type == "cpu" and _fsdp2.offloaded(fp):
                 data = data.to(self.pool.device, non_blocking=data.is_pinned())
             if data.device.type != self.pool.device.type:
                 raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
@@ -190,9 +207,9 @@ class Bucket:
         return bool(self.param_outputs) and all_gather_result.all_gather_output is self.param_outputs[0]
 
     def copy_out(self) -> None:
-        for fp, out in zip(self.fsdp_params, self.param_outputs):
-            if not fp.all_gather_outputs or fp.all_gather_outputs[0] is not out:
-                fp.all_gather_outputs = [out]
+        self.storage.restore()  # where stock's copy-out re-allocates the outputs' storage
+        for fp, out in zip(self.fsdp_params, self.all_gather_outputs):
+            _fsdp2.set_all_gather_output(fp, out)
 
     def on_params_freed(self) -> None:
         if self.window is None:
@@ -204,6 +221,9 @@ class Bucket:
                 "calling the original?). TIDE cannot vouch for this model's parameters; "
                 "call tide.fsdp.disable(model) before replacing FSDP2's functions")
         if not self.vacated:
+            # Where stock frees the outputs' storage: from here on no view of them reads the window,
+            # which this bucket's reduce-scatter stages in or another bucket refills.
+            self.storage.release()
             if self.cuda:  # the params' last readers were enqueued on the current stream
                 self.freed = torch.cuda.current_stream(self.pool.device).record_event()
                 self.window.ready = self.freed

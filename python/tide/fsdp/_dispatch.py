@@ -8,8 +8,8 @@ import threading
 
 import torch
 
-from . import _fsdp2, _hooks
-from ._bucket import TORCH_TO_TIDE, ReduceScatterComm
+from . import _fallbacks, _fsdp2, _hooks
+from ._bucket import ReduceScatterComm
 
 log = logging.getLogger("tide.fsdp")
 _logged: set = set()
@@ -22,21 +22,19 @@ def _log_once(key, message, *args) -> None:
         log.warning(message, *args)
 
 
-def _bucket_of(fsdp_params, all_gather=False):
+def _bucket_of(fsdp_params):
     if not fsdp_params:
         return None
     bucket = getattr(fsdp_params[0], "_tide_bucket", None)
     if bucket is None or any(getattr(fp, "_tide_bucket", None) is not bucket for fp in fsdp_params):
         return None
-    if all_gather and getattr(bucket, "ag_layout", None) is not None:
-        return None  # torch >= 2.15: its all-gather goes through FSDP's layout hook (_layout.py)
     return bucket
 
 
 def foreach_all_gather(*args, **kwargs):
     call = _hooks.Call("foreach_all_gather", args, kwargs)
     fsdp_params = call.get("fsdp_params")
-    bucket = _bucket_of(fsdp_params, all_gather=True)
+    bucket = _bucket_of(fsdp_params)
     if bucket is None or len(fsdp_params) != len(bucket.fsdp_params):
         return _hooks.stock("foreach_all_gather")(*args, **kwargs)
     bucket.check_state(call.get("all_gather_comm"))
@@ -45,7 +43,7 @@ def foreach_all_gather(*args, **kwargs):
 
 
 def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **kwargs):
-    bucket = _bucket_of(fsdp_params, all_gather=True)
+    bucket = _bucket_of(fsdp_params)
     if bucket is None:
         return _hooks.stock("foreach_all_gather_copy_out")(all_gather_result, fsdp_params, group, *args, **kwargs)
     if not bucket.owns(all_gather_result):
@@ -66,7 +64,7 @@ def foreach_reduce(*args, **kwargs):
     bucket = _bucket_of(fsdp_params)
     if bucket is None:
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
-    reason = _reduce_fallback_reason(fsdp_params, grads, call)
+    reason = _fallbacks.reduce_scatter_reason(fsdp_params, grads, call)
     if reason:
         _log_once(("rs", bucket.path, reason), "tide.fsdp: param group %s: this reduce-scatter runs "
                   "stock FSDP2: %s", bucket.path, reason)
@@ -89,25 +87,6 @@ def _pending_comms() -> list:
     return _local.comms
 
 
-def _reduce_fallback_reason(fsdp_params, grads, call) -> str:
-    comm = call.get("reduce_scatter_comm")
-    if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
-        return f"a custom reduce-scatter comm ({type(comm).__name__})"
-    grad_dtypes = {g.dtype for g in grads}
-    if len(grad_dtypes) != 1:
-        return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"
-    grad_dtype = grads[0].dtype
-    reduce_dtype = call.get("reduce_dtype") or grad_dtype
-    if grad_dtype not in TORCH_TO_TIDE or reduce_dtype not in (torch.float32, grad_dtype):
-        return f"gradient dtype {grad_dtype} with reduce dtype {reduce_dtype}"
-    if reduce_dtype not in (torch.float32, torch.bfloat16):
-        return f"reduce dtype {reduce_dtype} is pre-divided by stock FSDP2 against overflow"
-    if any(not g.is_contiguous() or tuple(g.shape) != tuple(fp._orig_size)
-           for g, fp in zip(grads, fsdp_params)):
-        return "non-contiguous or reshaped gradients"
-    return ""
-
-
 def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size):
     for comm in _pending_comms():
         if reduce_scatter_input is comm.input_standin:
@@ -118,7 +97,7 @@ def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_
 
 def free_unsharded_param(self):
     bucket = getattr(self, "_tide_bucket", None)
-    if bucket is None or getattr(bucket, "ag_layout", None) is not None:  # layout: release_output
+    if bucket is None:
         return _hooks.stock("free_unsharded_param")(self)
     bucket.on_params_freed()
     return None

@@ -18,8 +18,10 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param as param_module
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 from torch.distributed.tensor import Shard
 
-# Written against 2.11 and 2.13 (2.14 is 2.13 for FSDP2); 2.12 and 2.15 read from their sources.
-SUPPORTED = ((2, 11), (2, 15))
+# Written against 2.11 and 2.13 (2.14 is 2.13 for FSDP2), 2.12 read from its sources; tested on
+# 2.11, 2.13 and 2.14. The upper bound is the newest released torch: a later one is refused until
+# its FSDP2 has been read (this tuple is the one place that says so).
+SUPPORTED = ((2, 11), (2, 14))
 
 ShardedState = param_module.ShardedState
 # FSDP2's reduce-scatter comm interface (torch >= 2.12: _fsdp_api.ReduceScatter, an ABC whose
@@ -81,8 +83,9 @@ def check_torch_version() -> None:
 
 def param_groups(module: torch.nn.Module) -> list:
     """(module path, FSDPParamGroup) for every param group under `module`, in module order
-    (identical on every rank). The path comes from the module tree: FSDP2 sets its own
-    ``_module_fqn`` only at lazy init (first forward)."""
+    (identical on every rank). The path is the group's in the model its FSDP root belongs to:
+    FSDP2's own ``_module_fqn`` once lazy init (the first forward) has set it, else the path under
+    `module` (before lazy init, the module passed is all there is to go by)."""
     groups, seen = [], set()
     for path, m in module.named_modules():
         get_state = getattr(m, "_get_fsdp_state", None)
@@ -96,7 +99,8 @@ def param_groups(module: torch.nn.Module) -> list:
         for g in found:
             if id(g) not in seen:
                 seen.add(id(g))
-                groups.append((path or "<root>", g))
+                fqn = getattr(g, "_module_fqn", None)
+                groups.append(((fqn if fqn is not None else path) or "<root>", g))
     return groups
 
 
@@ -179,7 +183,7 @@ def custom_comm_reason(param_group) -> str:
         return f"a custom all-gather comm ({type(ag).__name__})"
     if rs is not None and default_rs is not None and type(rs) is not default_rs:
         return f"a custom reduce-scatter comm ({type(rs).__name__})"
-    return custom_layout_reason(param_group)  # torch >= 2.15: a layout the user installed
+    return ""
 
 
 def is_default_comm(comm, kind: str) -> bool:
@@ -202,6 +206,43 @@ def param_names(module: torch.nn.Module):
         return getattr(fp, "_param_fqn", None) or attr or f"param{index}"
 
     return name
+
+
+def unsharded_shape(fp) -> torch.Size:
+    """A param's unsharded (original) shape."""
+    return fp._orig_size
+
+
+def padded_shard_shape(fp) -> torch.Size:
+    """The shape of a param's shard as FSDP2 pads it (dim 0 rounded up to a multiple of W)."""
+    return fp.padded_sharded_param_size
+
+
+def has_all_gather_extension(fp) -> bool:
+    """Whether the param's local tensor defines fsdp_pre_all_gather (an all-gather extension)."""
+    return hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
+
+
+def sharded_data(fp) -> torch.Tensor:
+    """The param's padded shard as FSDP2's all-gather reads it (host memory with CPU offload)."""
+    return fp._sharded_param_data
+
+
+def offloaded(fp) -> bool:
+    """Whether FSDP2 keeps the param's shard in host memory (CPUOffloadPolicy)."""
+    return fp.offload_to_cpu
+
+
+def set_all_gather_output(fp, output: torch.Tensor) -> None:
+    """Makes `output` the tensor FSDP2 builds the unsharded param from (its ``all_gather_outputs``);
+    a no-op when it already is."""
+    if not fp.all_gather_outputs or fp.all_gather_outputs[0] is not output:
+        fp.all_gather_outputs = [output]
+
+
+def has_bytes(fp) -> bool:
+    """False for a zero-size param (a dim of 0): nothing to gather or reduce, no place in a window."""
+    return fp._orig_size.numel() > 0
 
 
 def dtypes(fp, param_group) -> tuple:
@@ -237,70 +278,59 @@ def gradients_in_place(fsdp_params, grads: list):
             fp.fsdp_placement = placement
 
 
+class UnshardedStorage:
+    """The storages of a bucket's per-param all-gather outputs, freed and re-allocated where stock
+    FSDP2 frees (``free_storage``: ``resize_(0)`` at reshard) and re-allocates (``alloc_storage`` at
+    copy-out) its own. TIDE's outputs view the bucket's fixed address, which maps a pooled window
+    that other buckets refill after this one reshards, so every view of them (the unsharded
+    params, FSDP2's ``all_gather_outputs``, autograd's saved tensors, a user's views; all share
+    each output's StorageImpl) must stop reading it then, as they would with stock.
+
+    Where torch has ``UntypedStorage._swap_data_ptr_`` (2.13, 2.14), `release` swaps each output's
+    data pointer with an empty storage of its device: the StorageImpl is then 0 bytes, exactly as
+    stock's after ``resize_(0)`` (the same ``setStorage ... out of bounds for storage of size 0``
+    error on a view's use); `restore` swaps it back. Host-side pointer swaps: no allocation, no
+    synchronization. Without it (torch 2.11), `release` bumps each output's version counter,
+    which its views share, so autograd refuses a saved tensor used while the bucket is released
+    ("modified by an inplace operation"), and `restore` sets the version back (as stock's
+    copy-out preserves it); a view read directly outside autograd is not caught there."""
+
+    SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+    def __init__(self, outputs: list):
+        self.outputs = outputs
+        self.storages = [t.untyped_storage() for t in outputs]
+        # The other side of each swap: empty while the output is live, the output's bytes while not.
+        self.aside = [torch.UntypedStorage(0, device=t.device) for t in outputs] if self.SWAP else []
+        self.versions: list = []
+        self.live = True
+
+    def release(self) -> None:
+        if not self.live:
+            return
+        self.live = False
+        if self.SWAP:
+            for storage, aside in zip(self.storages, self.aside):
+                storage._swap_data_ptr_(aside)
+        else:
+            self.versions = [t._version for t in self.outputs]
+            for t in self.outputs:
+                torch.autograd.graph.increment_version(t)
+
+    def restore(self) -> None:
+        if self.live:
+            return
+        self.live = True
+        if self.SWAP:
+            for storage, aside in zip(self.storages, self.aside):
+                storage._swap_data_ptr_(aside)
+        else:
+            torch._C._autograd._unsafe_set_version_counter(tuple(self.outputs), tuple(self.versions))
+
+
 def forget_unsharded(fp) -> None:
     """Drops a param's unsharded tensors (a stock all-gather's, or TIDE's) so that the next
     all-gather's output backs the unsharded parameter."""
     fp.all_gather_outputs = []
     if hasattr(fp, "_unsharded_param"):
         del fp._unsharded_param
-
-
-# --- The all-gather layout hook (PyTorch main, for 2.15: not in 2.14.1) ------------------------------
-# FSDPModule.set_all_gather_layout installs an AllGatherLayout per param group; a
-# BackendOwnedAllGatherLayout's outputs view storage the all-gather backend owns and FSDP keeps it
-# across reshard (docs/ARCHITECTURE.md, "All-gather layouts"). Read at call time, not import time:
-# the interface is experimental and tests install a fake of it into older torch for their duration.
-
-def layout_api():
-    """PyTorch's all-gather layout module when this torch offers the backend-owned layout (else None)."""
-    if not hasattr(FSDPModule, "set_all_gather_layout"):
-        return None
-    try:
-        from torch.distributed.fsdp._fully_shard import _all_gather_layout as api
-    except ImportError:
-        return None
-    return api if hasattr(api, "BackendOwnedAllGatherLayout") else None
-
-
-def has_all_gather_layout() -> bool:
-    return layout_api() is not None
-
-
-def layout_owner(param_group):
-    """The FSDP module whose set_all_gather_layout reaches exactly this param group (None when its
-    module holds several groups: the setter is per module, a layout instance per group)."""
-    for m in getattr(param_group, "modules", ()):
-        if isinstance(m, FSDPModule):
-            groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []
-            return m if len(groups) == 1 and groups[0] is param_group else None
-    return None
-
-
-def custom_layout_reason(param_group) -> str:
-    """Non-empty when the group already has a layout other than FSDP's default (the user's)."""
-    api = layout_api()
-    layout = getattr(param_group, "_all_gather_layout", None)
-    if api is None or layout is None or type(layout) is api.DefaultAllGatherLayout:
-        return ""
-    return f"a custom all-gather layout ({type(layout).__name__})"
-
-
-def install_all_gather_layout(param_group, layout) -> None:
-    layout_owner(param_group).set_all_gather_layout(layout)
-
-
-def remove_all_gather_layout(param_group) -> None:
-    """Back to FSDP's default layout (and comm); the adopted outputs are dropped by forget_unsharded."""
-    api = layout_api()
-    layout_owner(param_group).set_all_gather_layout(
-        getattr(api, "DEFAULT_ALL_GATHER_LAYOUT", None) or api.DefaultAllGatherLayout())
-    if type(getattr(param_group, "_all_gather_comm", None)).__name__ == "TideAllGatherComm":
-        # Installing the default layout is expected to install its comm too (not verified against
-        # a real 2.15): a stock all-gather must never reach a disabled bucket's comm.
-        param_group._all_gather_comm = collectives.DefaultAllGather()
-    for fp in param_group.fsdp_params:
-        fp._keep_all_gather_output_storage = False
-    # FSDP-owned persistent buffers (none for a backend-owned layout). The attribute is the fake's
-    # (tests/python/test_fsdp_layout_hook.py); check its name against torch 2.15's driver.
-    if getattr(param_group, "_all_gather_persistent_buffers", None) is not None:
-        param_group._all_gather_persistent_buffers = None

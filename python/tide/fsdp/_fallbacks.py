@@ -1,0 +1,83 @@
+"""Every reason a param group, or one call of a handled group, stays stock FSDP2: what enable
+logs and lists in ``TideFSDP.fallbacks`` (per group) and what ``_dispatch.foreach_reduce`` logs
+once (per reduce-scatter call). Where a reason comes from the ranks' placement (nodes, hosts,
+transports), ``_placement`` computes it with the placement itself."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _tide
+from . import _fsdp2
+from ._bucket import TORCH_TO_TIDE
+
+
+def group_reason(param_group, group, param_name) -> str:
+    """Why a param group stays stock FSDP2, from the group alone ("" if TIDE can take it)."""
+    if not _fsdp2.is_sharded(param_group):
+        return "not sharded (replicate(): DDP mesh), so there is no all-gather or reduce-scatter to take"
+    if group is None or group.size() <= 1:
+        return "world size 1 (nothing to communicate)"
+    device = param_group.device
+    if device.type == "cuda":
+        if not _tide.cuda_built:
+            return "device cuda: this build of TIDE has no CUDA transport (built without nvcc)"
+    elif device.type != "cpu":
+        return f"device {device}: TIDE runs on CPU and CUDA devices"
+    if _fsdp2.uses_post_forward_mesh(param_group):
+        return "reshard_after_forward as an int (post-forward resharding to a smaller mesh)"
+    reason = _fsdp2.custom_comm_reason(param_group)
+    if reason:
+        return reason
+    if not any(_fsdp2.has_bytes(fp) for fp in param_group.fsdp_params):
+        return "every param is zero-size (nothing to communicate)"
+    for i, fp in enumerate(param_group.fsdp_params):
+        name = param_name(fp, i)
+        if not _fsdp2.has_bytes(fp) and fp.sharded_param.requires_grad:
+            # Frozen ones are left out of the window; a trainable one's empty gradient stock's own
+            # reduce-scatter refuses (chunk_cat: "expects non-empty tensor"), so stock keeps it.
+            return (f"{name} is zero-size {tuple(_fsdp2.unsharded_shape(fp))} and trainable (stock FSDP2's "
+                    "reduce-scatter refuses its empty gradient)")
+        if _fsdp2.has_all_gather_extension(fp):
+            return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
+        orig, comm = _fsdp2.dtypes(fp, param_group)
+        if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
+            return f"{name} has dtype {orig} (communicated as {comm})"
+        dim, shape, padded = fp.fsdp_placement.dim, _fsdp2.unsharded_shape(fp), _fsdp2.padded_shard_shape(fp)
+        if dim == 0:
+            d0 = shape[0] if len(shape) else 1
+            if padded[0] != -(-d0 // group.size()):
+                return f"{name}: padded shard {tuple(padded)} is not ceil(d0/W) rows"
+        elif shape[dim] % group.size() != 0:  # FSDP2 itself refuses this today
+            return f"{name} is sharded on dim {dim} of size {shape[dim]}, not a multiple of W = {group.size()}"
+    return ""
+
+
+def multi_node_reason(param_group, param_name) -> str:
+    """Why a group spanning several nodes stays stock ("" if TIDE can take it)."""
+    for i, fp in enumerate(param_group.fsdp_params):
+        if fp.fsdp_placement.dim != 0:
+            return (f"{param_name(fp, i)} is sharded on dim {fp.fsdp_placement.dim} and the group spans "
+                    "nodes: TIDE's multi-node plans shard on dim 0 only")
+    return ""
+
+
+def reduce_scatter_reason(fsdp_params, grads, call) -> str:
+    """Why one reduce-scatter call of a handled group runs stock FSDP2 ("" if TIDE can take it);
+    `call` is the hooked foreach_reduce call (_hooks.Call)."""
+    comm = call.get("reduce_scatter_comm")
+    if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
+        return f"a custom reduce-scatter comm ({type(comm).__name__})"
+    grad_dtypes = {g.dtype for g in grads}
+    if len(grad_dtypes) != 1:
+        return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"
+    grad_dtype = grads[0].dtype
+    reduce_dtype = call.get("reduce_dtype") or grad_dtype
+    if grad_dtype not in TORCH_TO_TIDE or reduce_dtype not in (torch.float32, grad_dtype):
+        return f"gradient dtype {grad_dtype} with reduce dtype {reduce_dtype}"
+    if reduce_dtype not in (torch.float32, torch.bfloat16):
+        return f"reduce dtype {reduce_dtype} is pre-divided by stock FSDP2 against overflow"
+    if any(not g.is_contiguous() or g.shape != _fsdp2.unsharded_shape(fp)
+           for g, fp in zip(grads, fsdp_params)):
+        return "non-contiguous or reshaped gradients"
+    return ""
