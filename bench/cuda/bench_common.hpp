@@ -3,9 +3,9 @@
 // benchmark's timeouts; the parent never touches CUDA),
 // device selection and timing, and the buckets measured. One file per mode: sweep.cpp (TIDE-AG/RS
 // sweeps and buckets), nccl_baseline.cpp (NCCL's own collectives, compare), ceiling.cpp (copy and
-// kernel ceilings), interference.cpp (a GEMM beside TIDE-RS / NCCL / a reduce kernel),
-// rank_interference.cpp (one rank of a W = 8 TIDE-RS modelled on one GPU, the reduce's SM budget
-// swept; one_wave_gemm.hpp is the GEMM both use); the driver is bench_cuda.cpp.
+// kernel ceilings), driver_calls.cpp (the host's and the GPU's time per driver call),
+// interference.cpp (a GEMM beside TIDE-RS / NCCL / a reduce kernel; one_wave_gemm.hpp is that
+// GEMM); the driver is bench_cuda.cpp.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -54,21 +54,6 @@ struct Args {
   std::string delivery = "default";  // sweep/bucket AG: default | push | cast_to_peers (plan.hpp)
   std::size_t chunk_mib = 16;  // multi-node: NetOptions::chunk_bytes (each chunk one send/recv)
   std::string wire = "fp32";   // multi-node RS: NetOptions::wire_dtype
-  // rank-interference (rank_interference.cpp).
-  std::size_t g_mib = 256;          // bf16 gradient per rank
-  double nvlink_gbps = 380;         // what NVLink delivers into one GPU, in all
-  std::size_t pace_chunk_kib = 2048;  // pieces the paced copies are released in
-  std::string pace = "flags";         // flags: pieces released on a timed schedule; self: pieces
-                                      // back to back, sized so that alone they run at nvlink_gbps
-  int nccl_ctas = 32;               // the NCCL stand-in's persistent CTAs
-  int gemms = 200;                  // timed GEMMs per case and repeat, at least
-  int repeats = 4;                  // rounds over all cases (samples pooled)
-  std::string sweep_ctas = "8,16,32,66,132,264";
-  std::string sweep_tiles = "1,4,persistent";
-  std::string sweep_priority = "normal,low";
-  std::string tsv;                  // "" : $OUT/rank_interference.tsv ($OUT unset: ./)
-  std::string png;                  // "" : next to the TSV; "none": no PNG
-  bool unpaced = true;              // also the unpaced-copies case (--no-unpaced drops it)
 };
 
 // ---- Results: tab-separated lines appended by children, printed by the parent. -------------
@@ -154,10 +139,5 @@ void ceiling_child(const Args& args);
 void driver_calls_child(const Args& args);
 // interference.cpp.
 bool run_interference(const Args& args);
-// rank_interference.cpp: one rank of a W = 8 TIDE-RS modelled on one GPU, the reduce budget swept;
-// the short table it leaves for the parent to print last.
-void validate_rank_interference(const Args& args);  // throws for bad options (no CUDA)
-bool run_rank_interference(const Args& args);
-void print_rank_interference_final();
 
 }  // namespace tide::bench

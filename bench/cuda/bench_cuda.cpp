@@ -16,20 +16,6 @@
 //                                      also one rank per GPU, beside ncclReduceScatter as well
 //                                      (cuBLAS and NCCL loaded at run time; skipped without;
 //                                      --quick: only the multi-GPU part)
-//   tide_bench_cuda rank-interference  ONE rank of a W = 8 TIDE-RS modelled on one GPU (copy
-//                                      engines paced at NVLink's rate + the reduce kernel) beside
-//                                      the one-wave GEMM, against a 32-CTA NCCL stand-in; sweeps
-//                                      the reduce's SM budget (CudaReduceBudget) and writes a TSV
-//                                      (and a PNG via bench/plot_rank_interference.py if python3
-//                                      and matplotlib exist). Options: --g-mib N (256),
-//                                      --nvlink-gbps X (380), --pace-chunk-kib N (2048),
-//                                      --pace flags|self (flags),
-//                                      --nccl-ctas N (32), --gemms N (200), --repeats N (4),
-//                                      --sweep-ctas LIST (8,16,32,66,132,264), --sweep-tiles LIST
-//                                      (1,4,persistent), --sweep-priority LIST (normal,low),
-//                                      --tsv FILE ($OUT/rank_interference.tsv, or ./ without
-//                                      $OUT), --png FILE|none (next to the TSV), --no-unpaced.
-//                                      See rank_interference.cpp.
 // Options: --iters N (timed runs, >= 20; median reported), --warmup N, --quick (fewer sizes),
 // --nodes N (sweep/bucket: W ranks as N nodes), --network nccl|ipc (between those nodes: NCCL,
 // one GPU per rank; or CUDA IPC, virtual nodes whose ranks may share GPUs: on one GPU the whole
@@ -50,7 +36,6 @@
 // This file: the driver (arguments, modes, summary); bench_common.hpp lists the others.
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 
 #include "bench_common.hpp"
@@ -80,29 +65,6 @@ void print_summary() {
       std::printf("gemm      %-44s %8.1f us  %s\n", r.label.c_str(), r.time_us, r.note.c_str());
 }
 
-// The PNG of the rank-interference TSV, if python3 and matplotlib are there (the parent runs it;
-// it never touches CUDA). The script is looked for under the working directory, then the source
-// tree this binary was built from.
-void plot_rank_interference(const Args& args) {
-  namespace fs = std::filesystem;
-  if (args.png == "none" || !fs::exists(args.tsv)) return;
-  std::string script;
-  for (const std::string& c : {std::string("bench/plot_rank_interference.py"),
-                               std::string(TIDE_SOURCE_DIR) + "/bench/plot_rank_interference.py"})
-    if (fs::exists(c)) {
-      script = c;
-      break;
-    }
-  if (script.empty()) {
-    std::printf("# PNG: bench/plot_rank_interference.py not found; plot %s yourself\n", args.tsv.c_str());
-    return;
-  }
-  std::fflush(stdout);
-  const std::string command = "python3 '" + script + "' '" + args.tsv + "' '" + args.png + "'";
-  const int status = std::system(command.c_str());
-  if (status != 0) std::printf("# PNG: '%s' exited with %d (no python3/matplotlib?)\n", command.c_str(), status);
-}
-
 int main_impl(int argc, char** argv) {
   Args args;
   int i = 1;
@@ -128,19 +90,6 @@ int main_impl(int argc, char** argv) {
     else if (a == "--threads") args.threads = true;
     else if (a == "--prefixes") args.prefixes = true;
     else if (a == "--delivery") args.delivery = value();
-    else if (a == "--g-mib") args.g_mib = std::stoul(value());
-    else if (a == "--nvlink-gbps") args.nvlink_gbps = std::stod(value());
-    else if (a == "--pace-chunk-kib") args.pace_chunk_kib = std::stoul(value());
-    else if (a == "--pace") args.pace = value();
-    else if (a == "--nccl-ctas") args.nccl_ctas = std::stoi(value());
-    else if (a == "--gemms") args.gemms = std::stoi(value());
-    else if (a == "--repeats") args.repeats = std::stoi(value());
-    else if (a == "--sweep-ctas") args.sweep_ctas = value();
-    else if (a == "--sweep-tiles") args.sweep_tiles = value();
-    else if (a == "--sweep-priority") args.sweep_priority = value();
-    else if (a == "--tsv") args.tsv = value();
-    else if (a == "--png") args.png = value();
-    else if (a == "--no-unpaced") args.unpaced = false;
     else throw std::runtime_error("unknown option " + a + " (see the comment atop bench_cuda.cpp)");
   }
   (void)results_path();  // created here, before any fork, so every child appends to the same file
@@ -154,16 +103,6 @@ int main_impl(int argc, char** argv) {
     throw std::runtime_error("--wire " + args.wire + ": expected fp32 or bf16");
   if (args.delivery != "default" && args.delivery != "push" && args.delivery != "cast_to_peers")
     throw std::runtime_error("--delivery " + args.delivery + ": expected default, push or cast_to_peers");
-  if (args.mode == "rank-interference") {
-    const char* out = std::getenv("OUT");
-    const std::string dir = out && *out ? std::string(out) + "/" : std::string();
-    if (args.tsv.empty()) args.tsv = dir + "rank_interference.tsv";
-    if (args.png.empty()) {
-      const std::string& t = args.tsv;
-      args.png = (t.size() > 4 && t.substr(t.size() - 4) == ".tsv" ? t.substr(0, t.size() - 4) : t) + ".png";
-    }
-    validate_rank_interference(args);
-  }
   if (!cuda_device_available()) {
     std::printf("tide_bench_cuda: no usable CUDA device; nothing to measure\n");
     return 0;
@@ -184,14 +123,6 @@ int main_impl(int argc, char** argv) {
     ok = run_collective(collective_of(args.collective), args.world, bucket_case(args.bucket), args);
   } else if (args.mode == "interference") {
     ok = run_interference(args);
-  } else if (args.mode == "rank-interference") {
-    ok = run_rank_interference(args);
-    plot_rank_interference(args);
-    print_rank_interference_final();
-    std::error_code ignored;
-    std::filesystem::remove_all(std::filesystem::path(results_path()).parent_path(), ignored);
-    if (!ok) std::printf("\nFAILED: a benchmark process failed (see its error above)\n");
-    return ok ? 0 : 1;
   } else if (args.mode == "compare") {
     std::vector<BucketCase> cases = bucket_case(args.bucket);
     const auto sweep = sweep_cases(args, std::min<std::size_t>(args.max_mib, 1024));
@@ -211,8 +142,7 @@ int main_impl(int argc, char** argv) {
     ok &= run_interference(args);
   } else {
     throw std::runtime_error("mode " + args.mode +
-                             ": expected all, ceiling, calls, sweep, bucket, compare, interference or "
-                             "rank-interference");
+                             ": expected all, ceiling, calls, sweep, bucket, compare or interference");
   }
   print_summary();
   std::error_code ignored;

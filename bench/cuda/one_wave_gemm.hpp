@@ -1,6 +1,5 @@
 // The one-wave bf16 GEMM (2048x1024x16384, cuBLAS loaded with dlopen) every interference figure
-// is about: interference.cpp (a GEMM beside TIDE-RS / NCCL / a reduce kernel) and
-// rank_interference.cpp (one rank of a W = 8 TIDE-RS modelled on one GPU, the reduce's SM budget).
+// is about: interference.cpp times it beside TIDE-RS, NCCL and a reduce kernel.
 #pragma once
 
 #include <dlfcn.h>

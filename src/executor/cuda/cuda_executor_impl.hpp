@@ -124,7 +124,7 @@ struct Span {
   bool overlaps(const Span& o) const { return begin < o.end && o.begin < end; }
 };
 
-enum class KernelKind : uint8_t { kCast, kReduce, kNetPull, kHandoff };
+enum class KernelKind : uint8_t { kCast, kReduce, kCopy, kNetPull, kHandoff };
 
 struct KernelTiming {
   cudaEvent_t start;
@@ -162,8 +162,6 @@ struct CudaExecutor::Impl {
   std::vector<FlagWord> staging;
   NetOutbox mailbox_staging{};
   bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
-  CudaReduceBudget reduce_budget;      // from TIDE_CUDA_REDUCE_BUDGET, or set_reduce_budget
-  cudaStream_t reduce_stream = nullptr;  // lowest priority; created at the first low-priority reduce
   std::vector<cudaStream_t> streams_used;
 
   bool stats_enabled = false;
@@ -227,7 +225,6 @@ struct CudaExecutor::Impl {
   std::size_t enqueue_reduces(const std::vector<Step>& steps, std::size_t first,
                               const Resolve& resolve,
                               const std::function<bool(std::size_t)>& batchable);
-  void launch_reduce_batch(const std::vector<cuda_kernels::ReduceSpec>& reduces, int num_sources);
   std::size_t handoff_start(const Program& program) const;
   void enqueue_handoff(const std::vector<Step>& steps, std::size_t first, const Resolve& resolve,
                        uint64_t epoch, uint64_t tag);

@@ -4,6 +4,8 @@
 //                 one cudaMemcpyAsync per copy where batches are unavailable; 2-D copies (rows > 1)
 //                 one cudaMemcpy2DAsync each (copy engines; the batch API is 1-D only), and so
 //                 runs of equal copies at one pitch (equal params: one operation, not one each).
+//                 More 1-D copies than kMaxEngineCopies left after that: one copy kernel (SM
+//                 stores), as the copy engines cost the host microseconds per copy.
 //   CastOp     -> equal types: a batched copy + cudaMemsetAsync of the pad (no kernel), or a
 //                 cudaMemcpy2DAsync for a strided destination; otherwise one cast kernel for all
 //                 consecutive CastOps (strided destinations included).
@@ -17,20 +19,24 @@
 //                 (wait_marks.hpp): a driver call costs the host microseconds, and at W = 2 a
 //                 collective makes 4 (the cast or reduce, the push, two of these).
 //   ReduceOp   -> one reduce kernel for consecutive ReduceOps with as many sources each, none
-//                 reading or writing what an earlier one of the kernel writes.
+//                 reading or writing what an earlier one of the kernel writes (up to a launch's
+//                 table: 584 of 2 sources, kernels.cuh).
 //   The tail of a Delivery::kCastToPeers program (its casts and copies, signals, waits and
 //                 reduces after the slot-free handshake) -> one handoff kernel (kernels.cuh), where
 //                 the window's peers can run kernels beside this rank's (CudaWindow::
-//                 peers_run_beside_own), the reduces use the default budget, the tail fits one
+//                 peers_run_beside_own), the tail fits one
 //                 launch and TIDE_CUDA_HANDOFF is not 0; the steps above otherwise.
 //   NetSendOp/NetRecvOp -> grouped on a network stream, as the group schedule
 //                 (src/executor/net/group_schedule.hpp) says: issued after the stream reaches the
 //                 group's last op, waited for only by steps that touch its bytes; over NCCL
 //                 (nccl_transport.cpp) or, without a communicator on a CudaReach::kHost window,
 //                 over CUDA IPC (ipc_transport.cpp).
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdlib>
+#include <iterator>
+#include <map>
 #include <optional>
 #include <string>
 #include <variant>
@@ -137,7 +143,7 @@ std::size_t CudaExecutor::Impl::handoff_start(const Program& program) const {
   const std::vector<Step>& steps = program.steps;
   const std::size_t none = steps.size();
   if (program.delivery != Delivery::kCastToPeers || !window.peers_run_beside_own() ||
-      !reduce_budget.is_default() || !handoff_enabled())
+      !handoff_enabled())
     return none;
   std::size_t k = steps.size(), reduces = 0, sources = 0;
   for (; k > 0; --k) {
@@ -275,6 +281,35 @@ std::size_t CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, st
   return i;
 }
 
+namespace {
+
+// Disjoint byte ranges (begin -> end), overlapping ones inserted merged: whether a range touches
+// any of them in O(log n), so batching a bucket's reduces costs an array pass, not n^2 checks.
+class SpanSet {
+ public:
+  bool overlaps(const Span& s) const {
+    auto next = spans_.upper_bound(s.begin);  // the first range starting after s.begin
+    if (next != spans_.end() && next->first < s.end) return true;
+    return next != spans_.begin() && std::prev(next)->second > s.begin;
+  }
+  void insert(Span s) {
+    if (s.begin == s.end) return;
+    auto it = spans_.upper_bound(s.begin);
+    if (it != spans_.begin() && std::prev(it)->second >= s.begin) --it;
+    while (it != spans_.end() && it->first <= s.end) {
+      s.begin = std::min(s.begin, it->first);
+      s.end = std::max(s.end, it->second);
+      it = spans_.erase(it);
+    }
+    spans_.emplace(s.begin, s.end);
+  }
+
+ private:
+  std::map<const std::byte*, const std::byte*> spans_;
+};
+
+}  // namespace
+
 // One kernel for consecutive reduces with as many sources each, as long as none touches what an
 // earlier one in the kernel writes (a multi-node ring step sums the partial it just reduced) or
 // writes what an earlier one reads.
@@ -283,82 +318,52 @@ std::size_t CudaExecutor::Impl::enqueue_reduces(const std::vector<Step>& steps, 
                                                 const std::function<bool(std::size_t)>& batchable) {
   const std::size_t num_sources = std::get<ReduceOp>(steps[first].op).sources.size();
   std::vector<const void*> sources;  // num_sources per reduce, filled first: specs point into it
-  std::vector<Span> reads, writes;
-  std::vector<std::size_t> batch;
+  std::vector<cuda_kernels::ReduceSpec> reduces;
+  SpanSet reads, writes;
+  std::vector<Span> read_here;
   std::size_t i = first;
   for (; i < steps.size() && std::holds_alternative<ReduceOp>(steps[i].op); ++i) {
     const ReduceOp& reduce = std::get<ReduceOp>(steps[i].op);
-    if (!batch.empty() && (reduce.sources.size() != num_sources || !batchable(i))) break;
+    if (!reduces.empty() && (reduce.sources.size() != num_sources || !batchable(i))) break;
     const std::size_t in_bytes = static_cast<std::size_t>(reduce.count) * dtype_size(reduce.src_dtype);
-    const std::byte* out = resolve(reduce.dst);
+    std::byte* out = resolve(reduce.dst);
     const Span written{out, out + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.dst_dtype)};
-    bool depends = false;
-    for (const Span& w : writes) depends |= w.overlaps(written);
-    for (const Span& r : reads) depends |= r.overlaps(written);
-    std::vector<Span> read_here;
+    read_here.clear();
     for (const Address& a : reduce.sources) {
       const std::byte* src = resolve(a);
       read_here.push_back({src, src + in_bytes});
     }
-    if (reduce.partial) {
-      const std::byte* partial = resolve(*reduce.partial);
+    const std::byte* partial = reduce.partial ? resolve(*reduce.partial) : nullptr;
+    if (partial)
       read_here.push_back(
           {partial, partial + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.partial_dtype)});
-    }
-    for (const Span& r : read_here)
-      for (const Span& w : writes) depends |= w.overlaps(r);
-    if (!batch.empty() && depends) break;
-    for (const Address& a : reduce.sources) sources.push_back(resolve(a));
-    reads.insert(reads.end(), read_here.begin(), read_here.end());
-    writes.push_back(written);
-    batch.push_back(i);
+    bool depends = writes.overlaps(written) || reads.overlaps(written);
+    for (const Span& r : read_here) depends = depends || writes.overlaps(r);
+    if (!reduces.empty() && depends) break;
+    for (std::size_t k = 0; k < num_sources; ++k) sources.push_back(read_here[k].begin);
+    for (const Span& r : read_here) reads.insert(r);
+    writes.insert(written);
+    reduces.push_back({nullptr, out, partial, reduce.count, reduce.prescale, reduce.scale,
+                       reduce.accumulate, element_type(reduce.src_dtype),
+                       element_type(reduce.dst_dtype), element_type(reduce.partial_dtype)});
   }
-  std::vector<cuda_kernels::ReduceSpec> reduces;
-  for (std::size_t k = 0; k < batch.size(); ++k) {
-    const ReduceOp& reduce = std::get<ReduceOp>(steps[batch[k]].op);
-    const void* partial = reduce.partial ? resolve(*reduce.partial) : nullptr;
-    reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), partial, reduce.count,
-                       reduce.prescale, reduce.scale, reduce.accumulate,
-                       element_type(reduce.src_dtype), element_type(reduce.dst_dtype),
-                       element_type(reduce.partial_dtype)});
-  }
-  launch_reduce_batch(reduces, static_cast<int>(num_sources));
-  return i;
-}
-
-// The reduce kernels under the executor's budget (CudaReduceBudget): the grid shape, and with
-// low_priority a lowest-priority stream of the executor's, fenced by events both ways so the
-// stream order of the program is kept (the stream waits for the reduce before its next step).
-void CudaExecutor::Impl::launch_reduce_batch(const std::vector<cuda_kernels::ReduceSpec>& reduces,
-                                             int num_sources) {
-  const cuda_kernels::ReduceGrid grid{reduce_budget.max_ctas, reduce_budget.tiles_per_cta};
-  if (!reduce_budget.low_priority) {
-    launch_timed(KernelKind::kReduce, stream, [&] {
-      return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), num_sources, grid, stream);
-    });
-    return;
-  }
-  if (!reduce_stream) {
-    int least = 0, greatest = 0;
-    TIDE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    TIDE_CUDA_CHECK(cudaStreamCreateWithPriority(&reduce_stream, cudaStreamNonBlocking, least));
-  }
-  use_stream(reduce_stream);
-  const cudaEvent_t before = take_event(), after = take_event();
-  TIDE_CUDA_CHECK(cudaEventRecord(before, stream));
-  TIDE_CUDA_CHECK(cudaStreamWaitEvent(reduce_stream, before, 0));
-  launch_timed(KernelKind::kReduce, reduce_stream, [&] {
-    return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), num_sources, grid,
-                                        reduce_stream);
+  for (std::size_t k = 0; k < reduces.size(); ++k) reduces[k].sources = sources.data() + k * num_sources;
+  launch_timed(KernelKind::kReduce, stream, [&] {
+    return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), static_cast<int>(num_sources),
+                                        0, stream);
   });
-  TIDE_CUDA_CHECK(cudaEventRecord(after, reduce_stream));
-  TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, after, 0));
-  recycle_events({before, after});  // both waits are enqueued (they capture the records)
+  return i;
 }
 
 // cudaMemcpy2DAsync refuses pitches past the device's maximum (cudaDevAttrMaxPitch, 2^31 - 1 on
 // current GPUs); runs farther apart stay 1-D copies.
 constexpr std::ptrdiff_t kMaxCopyPitch = (std::ptrdiff_t{1} << 31) - 1;
+
+// More 1-D copies than this in one batch go as one copy kernel: every copy-engine operation costs
+// the host microseconds (`cudaMemcpyBatchAsync` makes one per copy, ~7 us each on an H200), so a
+// reduce-scatter's pushes of hundreds of gradients, each its own allocation, were host-bound at
+// ~7 us per param; one launch costs a few.
+constexpr std::size_t kMaxEngineCopies = 4;
 
 // Runs of copies of one size whose sources and destinations each advance by one pitch go as one
 // 2-D copy: the copy engine then takes one operation for the run instead of one per copy (a peer's
@@ -366,7 +371,8 @@ constexpr std::ptrdiff_t kMaxCopyPitch = (std::ptrdiff_t{1} << 31) - 1;
 // microseconds, BENCHMARKS.md). Only copies between the same two windows merge (window_pairs[k]:
 // copy k's source and destination window, -1 for other memory; empty: none): a 2-D copy must lie
 // within one allocation on each side, which cudaMemcpy2DAsync checks (invalid argument). The rest
-// go as one batch. The copies of a batch are independent, so their order does not matter.
+// go as one batch (more than kMaxEngineCopies: one copy kernel). The copies of a batch are
+// independent, so their order does not matter.
 void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
                                         std::vector<std::size_t>& sizes,
                                         const std::vector<int>& window_pairs) {
@@ -403,6 +409,15 @@ void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<co
   }
   dsts.resize(kept), srcs.resize(kept), sizes.resize(kept);
   if (dsts.empty()) return;
+  if (dsts.size() > kMaxEngineCopies) {
+    std::vector<cuda_kernels::CopySpec> copies(dsts.size());
+    for (std::size_t k = 0; k < dsts.size(); ++k) copies[k] = {srcs[k], dsts[k], sizes[k]};
+    launch_timed(KernelKind::kCopy, stream, [&] {
+      return cuda_kernels::launch_copies(copies.data(), copies.size(), stream);
+    });
+    stats.copies_by_kernel += static_cast<int>(copies.size());
+    return;
+  }
   stats.copies += static_cast<int>(dsts.size());
 #if CUDART_VERSION >= 12080
   if (batch_copies && stream != nullptr && stream != cudaStreamLegacy) {
