@@ -4,7 +4,9 @@ TIDE, everything else to the stock function."""
 from __future__ import annotations
 
 import logging
+import operator
 import threading
+import weakref
 
 import torch
 
@@ -66,12 +68,12 @@ def foreach_reduce(*args, **kwargs):
     bucket = _bucket_of(fsdp_params)
     if bucket is None:
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
-    reason = _reduce_fallback_reason(fsdp_params, grads, call)
+    subset = tuple(map(bucket.index.__getitem__, map(id, fsdp_params)))
+    reason = _reduce_fallback_reason(bucket, subset, fsdp_params, grads, call)
     if reason:
         _log_once(("rs", bucket.path, reason), "tide.fsdp: param group %s: this reduce-scatter runs "
                   "stock FSDP2: %s", bucket.path, reason)
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
-    subset = tuple(bucket.index[id(fp)] for fp in fsdp_params)
     comm = ReduceScatterComm(bucket, subset, call.get("gradient_divide_factor"))
     pending = _pending_comms()
     pending.append(comm)
@@ -89,21 +91,33 @@ def _pending_comms() -> list:
     return _local.comms
 
 
-def _reduce_fallback_reason(fsdp_params, grads, call) -> str:
+_dtype_of = operator.attrgetter("dtype")
+# A bucket's subsets -> their params' unsharded sizes, as stock's gradients have them.
+_grad_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _expected_grad_sizes(bucket, subset: tuple, fsdp_params) -> list:
+    sizes = _grad_sizes.setdefault(bucket, {})
+    if subset not in sizes:
+        sizes[subset] = [torch.Size(fp._orig_size) for fp in fsdp_params]
+    return sizes[subset]
+
+
+# Per step: array passes in C over the gradients (map over torch methods), no per-gradient Python.
+def _reduce_fallback_reason(bucket, subset: tuple, fsdp_params, grads, call) -> str:
     comm = call.get("reduce_scatter_comm")
     if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
         return f"a custom reduce-scatter comm ({type(comm).__name__})"
-    grad_dtypes = {g.dtype for g in grads}
-    if len(grad_dtypes) != 1:
-        return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"
     grad_dtype = grads[0].dtype
+    if not all(map(grad_dtype.__eq__, map(_dtype_of, grads))):
+        return f"mixed gradient dtypes {sorted({str(g.dtype) for g in grads})}"
     reduce_dtype = call.get("reduce_dtype") or grad_dtype
     if grad_dtype not in TORCH_TO_TIDE or reduce_dtype not in (torch.float32, grad_dtype):
         return f"gradient dtype {grad_dtype} with reduce dtype {reduce_dtype}"
     if reduce_dtype not in (torch.float32, torch.bfloat16):
         return f"reduce dtype {reduce_dtype} is pre-divided by stock FSDP2 against overflow"
-    if any(not g.is_contiguous() or tuple(g.shape) != tuple(fp._orig_size)
-           for g, fp in zip(grads, fsdp_params)):
+    if not all(map(torch.Tensor.is_contiguous, grads)) or \
+            list(map(torch.Tensor.size, grads)) != _expected_grad_sizes(bucket, subset, fsdp_params):
         return "non-contiguous or reshaped gradients"
     return ""
 
