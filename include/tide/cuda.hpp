@@ -191,13 +191,13 @@ class CudaExecutor final : public Executor {
     double reduce_cta_us = 0;  // CTA-microseconds of reduce kernels
     double network_cta_us = 0; // CTA-microseconds of the IPC network's pull kernels
     double handoff_cta_us = 0; // CTA-microseconds of handoff kernels (their waits included)
-    double copy_cta_us = 0;    // CTA-microseconds of copy kernels (kMaxEngineCopies, lowering.cpp)
+    double copy_cta_us = 0;    // CTA-microseconds of copy kernels (kMaxEngineCopies, command_list.hpp)
     int copies = 0;            // copy-engine copies enqueued
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
     int copies_2d = 0;           // cudaMemcpy2DAsync calls (blocks of params sharded on a dim > 0,
                                  // and runs of equal copies at one pitch)
     int copies_coalesced = 0;    // 1-D copies of a program sent as part of such a run
-    int copies_by_kernel = 0;    // 1-D copies of a step too many for copy engines, stored by one
+    int copies_by_kernel = 0;    // small 1-D copies of a step too many for copy engines, stored by one
                                  // copy kernel (also in kernel_launches)
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
