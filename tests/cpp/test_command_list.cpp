@@ -53,7 +53,7 @@ Lowered lower_reduce_scatter(int num_params, int64_t rows, int64_t cols, Deliver
 
 // The push delivery's calls at W = 2: the pushes to the peer, the slot-free and data-ready flag
 // calls, one reduce kernel. The same for 1, 48 and 512 params: the host's cost per bucket does not
-// grow with its param count (it grew by one copy-engine operation per param, ~7 us each).
+// grow with its param count (it grew by one copy-engine operation per param, ~4.4 us of host each).
 TEST(CommandList, ReduceScatterDriverCallsDoNotGrowWithParams) {
   const Lowered one = lower_reduce_scatter(1, 256, 128, Delivery::kPush);
   const Lowered some = lower_reduce_scatter(48, 256, 128, Delivery::kPush);

@@ -310,13 +310,14 @@ class Lowering {
 
 }  // namespace
 
-// Each copy-engine operation costs the host ~7 us on an H200 (cudaMemcpyBatchAsync makes one per
-// copy whose source or destination is another allocation, as a reduce-scatter's gradients each
-// are), and one copy kernel a few us for up to 680 copies. A copy of kMinEngineCopyBytes or more
-// keeps the engines busy longer than it costs the host (they move ~0.5 MB/us, so 7 us of host is
-// the GPU time of ~3.5 MB), so it stays there, where it leaves the SMs to the reduce kernels;
-// smaller ones, when more than kMaxEngineCopies of them, are one kernel. `tide_bench_cuda
-// copy-paths` measures both ways (BENCHMARKS.md).
+// Measured (`tide_bench_cuda copy-paths`, H200, BENCHMARKS.md): 384 copies from as many
+// allocations cost the host ~4.4 us each in one cudaMemcpyBatchAsync (~1 700 us per call up to
+// 4 MiB a copy), and ~16 us per call as one copy kernel. Below 4 MiB the engines' GPU time is the
+// host's (2 MiB: 1 482 us both): the call is host-bound, so those copies go as one kernel. From
+// 4 MiB their GPU time exceeds that host cost (4 MiB: 1 926 us on the GPU, 1 671 on the host;
+// 8 MiB: 2 732 / 2 719), the host is amortized, and they stay on the engines, which leave the SMs
+// to the compute a reduce-scatter overlaps, although the copy kernel is faster on an idle GPU
+// (849 us at 4 MiB). Up to kMaxEngineCopies small copies cost the host less than a launch.
 std::size_t kernel_copies(std::vector<Copy>& copies, std::size_t first) {
   const auto begin = copies.begin() + static_cast<std::ptrdiff_t>(first);
   const auto small_end = std::partition(

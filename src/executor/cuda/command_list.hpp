@@ -78,7 +78,7 @@ struct CommandList {
 };
 
 // A step's 1-D copies that are more than kMaxEngineCopies and smaller than kMinEngineCopyBytes go
-// as one copy kernel; the others on the copy engines (command_list.cpp says why).
+// as one copy kernel; the others on the copy engines (command_list.cpp says why, with the figures).
 inline constexpr std::size_t kMaxEngineCopies = 4;
 inline constexpr std::size_t kMinEngineCopyBytes = std::size_t{4} << 20;
 
