@@ -137,6 +137,8 @@ bool run_compare(const std::vector<BucketCase>& cases, const Args& args);
 // ceiling.cpp, driver_calls.cpp (each in a child process).
 void ceiling_child(const Args& args);
 void driver_calls_child(const Args& args);
+// copy_paths.cpp: a step's many copies on the copy engines vs one copy kernel, by copy size.
+void copy_paths_child(const Args& args);
 // interference.cpp.
 bool run_interference(const Args& args);
 

@@ -5,6 +5,8 @@
 //   tide_bench_cuda ceiling            HBM copy ceiling; reduce / cast kernel bandwidth against it
 //   tide_bench_cuda calls              the host's time per driver call of each kind run() makes,
 //                                      1 and 2 threads in one context (the fixed cost's ceiling)
+//   tide_bench_cuda copy-paths         384 copies from as many allocations: one copy-engine batch
+//                                      vs one copy kernel, host and GPU time, by copy size
 //   tide_bench_cuda sweep  --collective ag|rs --world W [--min-mib N] [--max-mib N]
 //   tide_bench_cuda bucket --bucket llama|small|experts --collective ag|rs --world W
 //   tide_bench_cuda compare [--bucket llama|small] [--collective ag|rs]
@@ -117,6 +119,8 @@ int main_impl(int argc, char** argv) {
     ok = run_single_child([&] { ceiling_child(args); });
   } else if (args.mode == "calls") {
     ok = run_single_child([&] { driver_calls_child(args); });
+  } else if (args.mode == "copy-paths") {
+    ok = run_single_child([&] { copy_paths_child(args); });
   } else if (args.mode == "sweep") {
     ok = run_collective(collective_of(args.collective), args.world, sweep_cases(args, args.max_mib), args);
   } else if (args.mode == "bucket") {
@@ -142,7 +146,7 @@ int main_impl(int argc, char** argv) {
     ok &= run_interference(args);
   } else {
     throw std::runtime_error("mode " + args.mode +
-                             ": expected all, ceiling, calls, sweep, bucket, compare or interference");
+                             ": expected all, ceiling, calls, copy-paths, sweep, bucket, compare or interference");
   }
   print_summary();
   std::error_code ignored;

@@ -160,7 +160,7 @@ void call_once(int kind, Lane& lane) {
       const void* sources[2] = {lane.src.ptr, lane.src.ptr};
       const cuda_kernels::ReduceSpec spec{sources, lane.dst.ptr, nullptr, kCopyBytes / 4, 1.0f, 0.5f,
                                           false, cuda_kernels::kBF16, cuda_kernels::kFP32};
-      cuda_kernels::launch_reduces(&spec, 1, 2, cuda_kernels::ReduceGrid{0, 0}, lane.stream);
+      cuda_kernels::launch_reduces(&spec, 1, 2, 0, lane.stream);
       break;
     }
     case 11:

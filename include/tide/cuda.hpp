@@ -172,45 +172,6 @@ class CudaAddressRange {
   const CudaWindow* mapped_ = nullptr;
 };
 
-// How a CudaExecutor's reduce kernels (the reduce-scatter's sum of the W sources) use the SMs.
-// The default is today's schedule: persistent CTAs, TIDE_CUDA_CTAS_PER_SM (2) per SM, on the
-// executor's stream. A budget trades the reduce's speed for SMs left to concurrent compute: a
-// resident reduce CTA on an SM keeps a one-wave GEMM's CTA (which needs the whole SM) off it until
-// the reduce CTA exits. Results are bitwise the same for every budget: each element is summed in
-// the same fixed order whichever CTA computes it.
-struct CudaReduceBudget {
-  // Reduce CTAs resident at once, at most; 0: the default grid (TIDE_CUDA_CTAS_PER_SM x SMs).
-  int max_ctas = 0;
-  // 0: persistent CTAs (one launch, each CTA grid-striding over its share of all tiles). N > 0:
-  // short-lived CTAs of at most N tiles (8192 elements) each, launched in waves of max_ctas CTAs
-  // on the stream, so SMs free up during the reduce.
-  int tiles_per_cta = 0;
-  // The reduce kernels run on a stream of the executor's own with the device's lowest priority
-  // (0, the default streams' too), joined to the executor's stream by events both ways, instead
-  // of on the executor's stream (FSDP2's reduce-scatter stream has a high priority).
-  bool low_priority = false;
-
-  static constexpr int kMaxCtas = 1 << 16;
-  static constexpr int kMaxTilesPerCta = 1 << 20;
-
-  bool is_default() const { return max_ctas == 0 && tiles_per_cta == 0 && !low_priority; }
-  // "ctas=66,tiles=1,priority=low" (parse() reads it back); "default" for the default.
-  std::string describe() const;
-  // Comma-separated fields in any order, each at most once: ctas=N (0 = default grid, N in
-  // [0, kMaxCtas]), tiles=N|persistent (N in [1, kMaxTilesPerCta]; 0 = persistent),
-  // priority=low|normal. "" or "default": the default. Throws InvalidArgument naming the field.
-  static CudaReduceBudget parse(const std::string& text);
-  // TIDE_CUDA_REDUCE_BUDGET in parse()'s syntax (unset or empty: initial()); InvalidArgument
-  // naming the variable for a bad value.
-  static CudaReduceBudget from_env();
-  // What executors start with when TIDE_CUDA_REDUCE_BUDGET is unset or empty: kInitialReduceBudget
-  // in cuda_executor.cpp, parse()d. Today "default" (the all-zero budget: today's schedule), until
-  // a measurement (tide_bench_cuda rank-interference) picks another.
-  static CudaReduceBudget initial();
-  // Throws InvalidArgument for fields out of range.
-  void validate() const;
-};
-
 // Runs programs on a CUDA stream. run() is asynchronous: it validates, then enqueues and returns.
 // Inputs and outputs in Bindings are device pointers; they must stay valid until synchronize().
 // One thread at a time may call into an executor.
@@ -230,11 +191,14 @@ class CudaExecutor final : public Executor {
     double reduce_cta_us = 0;  // CTA-microseconds of reduce kernels
     double network_cta_us = 0; // CTA-microseconds of the IPC network's pull kernels
     double handoff_cta_us = 0; // CTA-microseconds of handoff kernels (their waits included)
+    double copy_cta_us = 0;    // CTA-microseconds of copy kernels (kMaxEngineCopies, command_list.hpp)
     int copies = 0;            // copy-engine copies enqueued
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
     int copies_2d = 0;           // cudaMemcpy2DAsync calls (blocks of params sharded on a dim > 0,
                                  // and runs of equal copies at one pitch)
     int copies_coalesced = 0;    // 1-D copies of a program sent as part of such a run
+    int copies_by_kernel = 0;    // small 1-D copies of a step too many for copy engines, stored by one
+                                 // copy kernel (also in kernel_launches)
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
     int mem_op_calls = 0;        // cuStreamBatchMemOp calls of the programs' signals and waits
@@ -279,11 +243,6 @@ class CudaExecutor final : public Executor {
   // out of step with the peers', so make a new window and executor). Never hangs: a stuck wait is
   // released by the watchdog once it has timed out.
   void synchronize();
-
-  // The reduce kernels' SM budget for later runs (validated; InvalidArgument if out of range).
-  // Starts as CudaReduceBudget::from_env(), read (and validated) when the executor is made.
-  void set_reduce_budget(const CudaReduceBudget& budget);
-  CudaReduceBudget reduce_budget() const;
 
   void enable_stats(bool enabled);
   // Waits for the streams first. Counters of a failed executor too: its error is synchronize()'s

@@ -108,6 +108,20 @@ def test_fsdp_cpu_moe_and_dit_models_are_handled_and_bitwise(model, groups, tmp_
     assert data["family"] == PRESETS[model].family and data["expert_shard_dim"] == 0
 
 
+def test_fsdp_cpu_moe_experts_as_modules_are_handled_and_bitwise(tmp_path, capsys):
+    """--experts-as-modules: each expert three nn.Linear, as Hugging Face MoE models keep them, so a
+    layer's experts group holds 3 x 8 = 24 params (384 in qwen3-moe-layers). TIDE handles every
+    group, bitwise stock's result."""
+    data = _fsdp_json(tmp_path, "--model", "qwen3-moe-tiny", "--experts-as-modules")
+    text = capsys.readouterr().out
+    t = data["tide"]
+    assert "TIDE handled 5 of 5 param groups" in text
+    assert t["param_groups"] == 5 and t["tide_buckets"] == 5, t
+    assert t["tide_fallbacks"] == [] and t["tide_fallback_groups"] == []
+    assert data["config"]["experts_as_modules"] is True
+    assert data["max_abs_diff"] == 0.0
+
+
 def test_fsdp_cpu_moe_experts_on_dim_1_are_handled_in_place(tmp_path, capsys):
     """--expert-shard-dim 1: each layer's experts group is sharded on dim 1 (torchtitan's layout
     when the FSDP degree exceeds the expert count). TIDE takes those groups too, gathering each

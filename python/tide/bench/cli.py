@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="MoE models: the dim FSDP2 shards the grouped expert tensors on (1: "
                         "torchtitan's shard_placement_fn when the FSDP degree exceeds the expert "
                         "count; each layer's experts are their own param group either way)")
+    f.add_argument("--experts-as-modules", action="store_true",
+                   help="MoE models: each expert a module of three nn.Linear, as Hugging Face MoE "
+                        "models keep them (a layer's experts group then holds 3 x experts params)")
     f.add_argument("--steps", type=_positive("steps"), default=5)
     f.add_argument("--warmup", type=int, default=1)
     f.add_argument("--batch", type=_positive("batch"), default=4)
@@ -88,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("host-cost", parents=[common], help="host time per step, stock vs TIDE (GPU)")
     h.add_argument("--layers", type=_positive("layers"), default=32, help="param groups (blocks)")
+    h.add_argument("--linears", type=_positive("linears"), default=2,
+                   help="nn.Linear layers per block, 2 params each (192: 384-param groups)")
     h.add_argument("--steps", type=_positive("steps"), default=30, help="timed steps")
     h.add_argument("--warmup", type=_positive("warmup"), default=5)
     return p
@@ -116,6 +121,14 @@ def _fsdp(args, parser, device) -> int:
     cfg = PRESETS[model_name]
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, layers=args.layers)
+    if args.experts_as_modules:
+        if not hasattr(cfg, "experts_as_modules"):
+            parser.error(f"--experts-as-modules: model {model_name} has no experts (the MoE models: "
+                         "qwen3-moe-layers, qwen3-moe-tiny)")
+        if args.expert_shard_dim != 0:
+            parser.error("--experts-as-modules with --expert-shard-dim 1: expected the experts' "
+                         "nn.Linear weights sharded on dim 0")
+        cfg = dataclasses.replace(cfg, experts_as_modules=True)
     try:
         cfg.validate()
     except ValueError as e:
@@ -274,7 +287,7 @@ def _host_cost(args, parser, device) -> int:
                      "copies synchronously: its host time would include its collectives)")
     if args.world < 2:
         parser.error(f"--world {args.world}: needs 2 ranks or more")
-    opts = {"layers": args.layers, "steps": args.steps, "warmup": args.warmup}
+    opts = {"layers": args.layers, "linears": args.linears, "steps": args.steps, "warmup": args.warmup}
     results = _launch(args, device, run_host_cost, opts)
     if results is None:
         return 0

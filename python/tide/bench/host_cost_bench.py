@@ -2,8 +2,9 @@
 stock vs TIDE, with a model whose compute is tiny (issue 18: TIDE's hooks, planning lookups and
 binding calls must cost no more than stock FSDP2's own copy-in / copy-out / collective launches).
 
-Each rank trains the same model of `layers` FSDP2 param groups (two small Linear layers each; the
-root holds no parameters of its own) twice:
+Each rank trains the same model of `layers` FSDP2 param groups (`linears` small Linear layers
+each, two params apiece: `--linears 192` makes 384-param groups, a mixture-of-experts layer's
+experts as modules; the root holds no parameters of its own) twice:
 - stock: FSDP2 over a "fake" process group (torch's no-op backend: every collective returns at
   once), so the figure is FSDP2's own host work per step with collectives that cost nothing, a
   lower bound on stock's host cost (a real NCCL launch adds ~5-10 us per collective);
@@ -28,17 +29,19 @@ DIM = 64
 
 
 class _Block(nn.Module):
-    def __init__(self):
+    def __init__(self, linears: int):
         super().__init__()
-        self.a, self.b = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.linears = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(linears))
 
     def forward(self, x):
-        return x + self.b(torch.relu(self.a(x)))
+        for linear in self.linears:
+            x = x + linear(torch.relu(x))
+        return x
 
 
-def _model(layers: int, device, mesh):
+def _model(layers: int, linears: int, device, mesh):
     torch.manual_seed(0)
-    model = nn.Sequential(*[_Block() for _ in range(layers)]).to(device)
+    model = nn.Sequential(*[_Block(linears) for _ in range(layers)]).to(device)
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -72,9 +75,9 @@ def run_host_cost(rank: int, world: int, opts: dict) -> dict:
     kind = opts.get("device", "cuda")
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     fake = dist.new_group(list(range(world)), backend="fake")
-    stock = _host_ms(_model(opts["layers"], device, DeviceMesh.from_group(fake, kind)), device,
+    stock = _host_ms(_model(opts["layers"], opts.get("linears", 2), device, DeviceMesh.from_group(fake, kind)), device,
                      opts["steps"], opts["warmup"])
-    model = _model(opts["layers"], device, DeviceMesh.from_group(dist.group.WORLD, kind))
+    model = _model(opts["layers"], opts.get("linears", 2), device, DeviceMesh.from_group(dist.group.WORLD, kind))
     handle = tide.fsdp.enable(model)
     mine = _host_ms(model, device, opts["steps"], opts["warmup"], handle.reset_counts)
     counts = handle.counts()

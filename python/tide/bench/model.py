@@ -211,6 +211,9 @@ class Qwen3MoeConfig(_ConfigBase):
     top_k: int = 8
     vocab: int = 32000
     checkpointed: bool = False
+    # Each expert a module of three nn.Linear (gate, up, down), as Hugging Face MoE models keep
+    # them: 3 x experts params per layer's experts group instead of 3 grouped tensors.
+    experts_as_modules: bool = False
     family = "qwen3-moe"
 
     def validate(self) -> None:
@@ -259,6 +262,25 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
+class ModuleExperts(nn.Module):
+    """`experts` SwiGLU MLPs, each its own module of three bias-free nn.Linear (gate_proj, up_proj:
+    dim -> hidden; down_proj: hidden -> dim), as Hugging Face MoE models keep them: a layer's
+    experts group holds 3 x experts params. forward as GroupedExperts'."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.experts = nn.ModuleList(
+            nn.ModuleDict({"gate_proj": nn.Linear(dim, hidden, bias=False),
+                           "up_proj": nn.Linear(dim, hidden, bias=False),
+                           "down_proj": nn.Linear(hidden, dim, bias=False)})
+            for _ in range(experts))
+
+    def forward(self, x_sorted, counts: list):
+        outs = [e["down_proj"](F.silu(e["gate_proj"](xe)) * e["up_proj"](xe))
+                for xe, e in zip(x_sorted.split(counts), self.experts)]
+        return torch.cat(outs)
+
+
 class MoE(nn.Module):
     """Top-k softmax routing (weights renormalised over the chosen k, as Qwen3 does) to grouped
     experts. Deterministic on every device: tokens are permuted (not scattered with duplicates),
@@ -268,7 +290,8 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.num_experts = c.top_k, c.experts
         self.router = nn.Linear(c.dim, c.experts, bias=False)
-        self.experts = GroupedExperts(c.experts, c.dim, c.expert_hidden)
+        self.experts = (ModuleExperts if c.experts_as_modules else GroupedExperts)(
+            c.experts, c.dim, c.expert_hidden)
 
     def forward(self, x):
         b, s, d = x.shape

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -245,7 +246,7 @@ class Bucket:
         return self.pool.acquire()
 
     def rs_program(self, subset: tuple, grad_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                   options_key: tuple):
+                   options_key: tuple) -> "RsPlan":
         key = (subset, grad_dtype, reduce_dtype, options_key)
         program = self.rs_programs.get(key)
         if program is None:
@@ -256,9 +257,23 @@ class Bucket:
             layout = _tide.BucketLayout(specs, self.layout.topology)
             kind, prescale = options_key
             options = _tide.ReduceOptions(kind=kind, prescale=prescale)
-            program = (layout, _tide.plan_reduce_scatter(layout, self.rank, options, self.id, self.net))
+            offsets, offset = [], 0
+            for p in layout.params:  # stock's flat output layout: padded shards back to back
+                offsets.append(offset * reduce_dtype.itemsize)
+                offset += p.shard_numel
+            grad_bytes = sum(p.numel for p in layout.params) * grad_dtype.itemsize
+            program = RsPlan(_tide.plan_reduce_scatter(layout, self.rank, options, self.id, self.net),
+                             tuple(offsets), grad_bytes)
             self.rs_programs[key] = program
         return program
+
+
+class RsPlan(NamedTuple):
+    """A reduce-scatter's program and what a step needs besides the gradients' pointers, computed
+    once: each param's byte offset in stock's flat output, and the gradients' bytes."""
+    program: object
+    output_offsets: tuple
+    grad_bytes: int
 
 
 class ReduceScatterComm(_fsdp2.ReduceScatterBase):
@@ -290,18 +305,18 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
             options_key = (_tide.ReduceKind.sum, 1.0)
         else:  # PREMUL_SUM(1 / gradient_divide_factor)
             options_key = (_tide.ReduceKind.sum, 1.0 / float(self.divide_factor))
-        layout, program = bucket.rs_program(self.subset, grads[0].dtype, output_tensor.dtype, options_key)
-        outputs, offset = [], 0
-        base, itemsize = output_tensor.data_ptr(), output_tensor.element_size()
-        for p in layout.params:  # stock's flat output layout: padded shards back to back
-            outputs.append(base + offset * itemsize)
-            offset += p.shard_numel
+        plan = bucket.rs_program(self.subset, grads[0].dtype, output_tensor.dtype, options_key)
+        program = plan.program
+        # One array pass per step over the pointers: no per-param binding call or object.
+        base = output_tensor.data_ptr()
+        outputs = [base + offset for offset in plan.output_offsets]
+        inputs = list(map(torch.Tensor.data_ptr, grads))
         if program.window_bytes > bucket.pool.window_bytes:
             staging_pool = bucket.pool.wide_pool(program.window_bytes)
             window = staging_pool.acquire()
         else:
             staging_pool, window = bucket.pool, bucket.take_staging_window()
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        nbytes = plan.grad_bytes
         bucket.counts.reduce_scatters += 1
         bucket.counts.reduce_scatter_bytes += nbytes
         try:
@@ -309,12 +324,12 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
                 if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
                     stream = torch.cuda.current_stream(bucket.pool.device)
                     window.use_on(stream)
-                    window.executor.run(program, [g.data_ptr() for g in grads], outputs)
+                    window.executor.run(program, inputs, outputs)
                     for g in grads:  # read in place on this stream; freed by the compute stream
                         g.record_stream(stream)
                     window.ready = stream.record_event()
                 else:
-                    window.executor.run(program, [g.data_ptr() for g in grads], outputs)
+                    window.executor.run(program, inputs, outputs)
         finally:
             staging_pool.release(window)
             self.grads = None

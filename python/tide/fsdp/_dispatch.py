@@ -64,12 +64,12 @@ def foreach_reduce(*args, **kwargs):
     bucket = _bucket_of(fsdp_params)
     if bucket is None:
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
-    reason = _fallbacks.reduce_scatter_reason(fsdp_params, grads, call)
+    subset = tuple(map(bucket.index.__getitem__, map(id, fsdp_params)))
+    reason = _fallbacks.reduce_scatter_reason(bucket, subset, fsdp_params, grads, call)
     if reason:
         _log_once(("rs", bucket.path, reason), "tide.fsdp: param group %s: this reduce-scatter runs "
                   "stock FSDP2: %s", bucket.path, reason)
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
-    subset = tuple(bucket.index[id(fp)] for fp in fsdp_params)
     comm = ReduceScatterComm(bucket, subset, call.get("gradient_divide_factor"))
     pending = _pending_comms()
     pending.append(comm)

@@ -5,6 +5,9 @@ transports), ``_placement`` computes it with the placement itself."""
 
 from __future__ import annotations
 
+import operator
+import weakref
+
 import torch
 
 from .. import _tide
@@ -62,22 +65,35 @@ def multi_node_reason(param_group, param_name) -> str:
     return ""
 
 
-def reduce_scatter_reason(fsdp_params, grads, call) -> str:
+_dtype_of = operator.attrgetter("dtype")
+# A bucket's subsets -> their params' unsharded sizes, as stock's gradients have them.
+_grad_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _expected_grad_sizes(bucket, subset: tuple, fsdp_params) -> list:
+    sizes = _grad_sizes.setdefault(bucket, {})
+    if subset not in sizes:
+        sizes[subset] = [torch.Size(_fsdp2.unsharded_shape(fp)) for fp in fsdp_params]
+    return sizes[subset]
+
+
+def reduce_scatter_reason(bucket, subset: tuple, fsdp_params, grads, call) -> str:
     """Why one reduce-scatter call of a handled group runs stock FSDP2 ("" if TIDE can take it);
-    `call` is the hooked foreach_reduce call (_hooks.Call)."""
+    `call` is the hooked foreach_reduce call (_hooks.Call), `subset` the indices of `fsdp_params`
+    in `bucket`. Per step these are array passes in C over the gradients (map over torch
+    methods), no per-gradient Python: a group can hold hundreds of params."""
     comm = call.get("reduce_scatter_comm")
     if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
         return f"a custom reduce-scatter comm ({type(comm).__name__})"
-    grad_dtypes = {g.dtype for g in grads}
-    if len(grad_dtypes) != 1:
-        return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"
     grad_dtype = grads[0].dtype
+    if not all(map(grad_dtype.__eq__, map(_dtype_of, grads))):
+        return f"mixed gradient dtypes {sorted({str(g.dtype) for g in grads})}"
     reduce_dtype = call.get("reduce_dtype") or grad_dtype
     if grad_dtype not in TORCH_TO_TIDE or reduce_dtype not in (torch.float32, grad_dtype):
         return f"gradient dtype {grad_dtype} with reduce dtype {reduce_dtype}"
     if reduce_dtype not in (torch.float32, torch.bfloat16):
         return f"reduce dtype {reduce_dtype} is pre-divided by stock FSDP2 against overflow"
-    if any(not g.is_contiguous() or g.shape != _fsdp2.unsharded_shape(fp)
-           for g, fp in zip(grads, fsdp_params)):
+    if not all(map(torch.Tensor.is_contiguous, grads)) or \
+            list(map(torch.Tensor.size, grads)) != _expected_grad_sizes(bucket, subset, fsdp_params):
         return "non-contiguous or reshaped gradients"
     return ""

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdlib>
 #include <string>
 
@@ -21,108 +20,6 @@ static_assert(static_cast<int>(DType::kBF16) == cuda_kernels::kBF16 &&
               "kernel element types must be numbered as tide::DType");
 
 using namespace cuda_executor_detail;
-
-// ---- CudaReduceBudget. ---------------------------------------------------------------------
-
-std::string CudaReduceBudget::describe() const {
-  if (is_default()) return "default";
-  return detail::concat("ctas=", max_ctas, ",tiles=",
-                        tiles_per_cta == 0 ? std::string("persistent") : std::to_string(tiles_per_cta),
-                        ",priority=", low_priority ? "low" : "normal");
-}
-
-void CudaReduceBudget::validate() const {
-  TIDE_CHECK_ARG(max_ctas >= 0 && max_ctas <= kMaxCtas, "CudaReduceBudget", "max_ctas", max_ctas,
-                 detail::concat("in [0, ", kMaxCtas, "] (0: the default grid)"));
-  TIDE_CHECK_ARG(tiles_per_cta >= 0 && tiles_per_cta <= kMaxTilesPerCta, "CudaReduceBudget",
-                 "tiles_per_cta", tiles_per_cta,
-                 detail::concat("in [0, ", kMaxTilesPerCta, "] (0: persistent CTAs)"));
-}
-
-namespace {
-
-// A whole decimal integer in [lo, hi], else InvalidArgument naming the field.
-int parse_field_int(const std::string& text, const std::string& field, const std::string& value,
-                    long lo, long hi, const std::string& expected) {
-  char* end = nullptr;
-  errno = 0;
-  const long v = value.empty() ? -1 : std::strtol(value.c_str(), &end, 10);
-  TIDE_CHECK_ARG(!value.empty() && errno == 0 && *end == '\0' && v >= lo && v <= hi,
-                 "CudaReduceBudget", field, "'" + value + "' in '" + text + "'", expected);
-  return static_cast<int>(v);
-}
-
-}  // namespace
-
-CudaReduceBudget CudaReduceBudget::parse(const std::string& text) {
-  CudaReduceBudget budget;
-  if (text.empty() || text == "default") return budget;
-  const std::string syntax =
-      "ctas=N,tiles=N|persistent,priority=low|normal (any subset, comma-separated) or 'default'";
-  bool seen_ctas = false, seen_tiles = false, seen_priority = false;
-  std::size_t begin = 0;
-  while (begin <= text.size()) {
-    std::size_t comma = text.find(',', begin);
-    if (comma == std::string::npos) comma = text.size();
-    const std::string item = text.substr(begin, comma - begin);
-    const std::size_t eq = item.find('=');
-    TIDE_CHECK_ARG(eq != std::string::npos && eq > 0, "CudaReduceBudget", "field",
-                   "'" + item + "' in '" + text + "'", syntax);
-    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-    if (key == "ctas") {
-      TIDE_CHECK_ARG(!seen_ctas, "CudaReduceBudget", "ctas", "given twice in '" + text + "'", "once");
-      seen_ctas = true;
-      budget.max_ctas = parse_field_int(text, "ctas", value, 0, kMaxCtas,
-                                        detail::concat("an integer in [0, ", kMaxCtas,
-                                                       "] (0: the default grid)"));
-    } else if (key == "tiles") {
-      TIDE_CHECK_ARG(!seen_tiles, "CudaReduceBudget", "tiles", "given twice in '" + text + "'", "once");
-      seen_tiles = true;
-      budget.tiles_per_cta =
-          value == "persistent"
-              ? 0
-              : parse_field_int(text, "tiles", value, 0, kMaxTilesPerCta,
-                                detail::concat("an integer in [1, ", kMaxTilesPerCta,
-                                               "] or 'persistent' (or 0)"));
-    } else if (key == "priority") {
-      TIDE_CHECK_ARG(!seen_priority, "CudaReduceBudget", "priority",
-                     "given twice in '" + text + "'", "once");
-      seen_priority = true;
-      TIDE_CHECK_ARG(value == "low" || value == "normal", "CudaReduceBudget", "priority",
-                     "'" + value + "' in '" + text + "'", "low or normal");
-      budget.low_priority = value == "low";
-    } else {
-      TIDE_CHECK_ARG(false, "CudaReduceBudget", "field", "'" + key + "' in '" + text + "'", syntax);
-    }
-    begin = comma + 1;
-  }
-  return budget;
-}
-
-// The budget executors start with when TIDE_CUDA_REDUCE_BUDGET is unset or empty, in parse()'s
-// syntax: "default" = persistent CTAs, TIDE_CUDA_CTAS_PER_SM per SM, on the executor's stream
-// (TIDE's schedule before the budget existed). The one place to change once
-// `tide_bench_cuda rank-interference` has picked a budget (e.g. "ctas=66,tiles=1,priority=low").
-constexpr const char* kInitialReduceBudget = "default";
-
-CudaReduceBudget CudaReduceBudget::initial() { return parse(kInitialReduceBudget); }
-
-CudaReduceBudget CudaReduceBudget::from_env() {
-  const char* text = std::getenv("TIDE_CUDA_REDUCE_BUDGET");
-  if (!text || !*text) return initial();
-  try {
-    return parse(text);
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(detail::concat("TIDE_CUDA_REDUCE_BUDGET='", text, "': ", e.what()));
-  }
-}
-
-void CudaExecutor::set_reduce_budget(const CudaReduceBudget& budget) {
-  budget.validate();
-  impl_->reduce_budget = budget;
-}
-
-CudaReduceBudget CudaExecutor::reduce_budget() const { return impl_->reduce_budget; }
 
 // ---- The executor. -------------------------------------------------------------------------
 
@@ -220,6 +117,7 @@ void CudaExecutor::Impl::collect_timings() {
     TIDE_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.end));
     double& cta_us = t.kind == KernelKind::kCast      ? stats.cast_cta_us
                      : t.kind == KernelKind::kReduce  ? stats.reduce_cta_us
+                     : t.kind == KernelKind::kCopy    ? stats.copy_cta_us
                      : t.kind == KernelKind::kHandoff ? stats.handoff_cta_us
                                                       : stats.network_cta_us;
     cta_us += 1000.0 * ms * t.ctas;
@@ -252,10 +150,8 @@ CudaExecutor::CudaExecutor(CudaWindow& window, void* stream, std::chrono::millis
     TIDE_CHECK_ARG(device == window.device(), "CudaExecutor", "current device", device,
                    detail::concat(window.device(), " (the window's device)"));
     cuda_kernels::preload_kernels();
-    // Reads TIDE_CUDA_CTAS_PER_SM and TIDE_CUDA_REDUCE_BUDGET now: a bad value must not first
-    // throw mid-collective.
+    // Reads TIDE_CUDA_CTAS_PER_SM now: a bad value must not first throw mid-collective.
     cuda_kernels::default_max_ctas();
-    impl_->reduce_budget = CudaReduceBudget::from_env();
     impl_->marks.emplace();
     TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->side_stream, cudaStreamNonBlocking));
     impl_->staging.resize(static_cast<std::size_t>(kNumFlagKinds) * window.world());
@@ -291,7 +187,6 @@ CudaExecutor::~CudaExecutor() {
   for (cudaEvent_t e : d.free_events) (void)cudaEventDestroy(e);
   if (d.net_ready) (void)cudaEventDestroy(d.net_ready);
   if (d.net_stream) (void)cudaStreamDestroy(d.net_stream);
-  if (d.reduce_stream) (void)cudaStreamDestroy(d.reduce_stream);
   for (cudaStream_t s : d.peer_streams) (void)cudaStreamDestroy(s);
   for (const KernelTiming& t : d.timings) {
     (void)cudaEventDestroy(t.start);

@@ -26,6 +26,7 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/driver_api.hpp"
+#include "executor/cuda/command_list.hpp"
 #include "executor/net/group_schedule.hpp"
 #include "executor/tag.hpp"
 #include "kernels.cuh"
@@ -118,13 +119,7 @@ struct PendingWait {
   std::size_t bytes = 0;               // kMailbox receive: its bytes
 };
 
-struct Span {
-  const std::byte* begin;
-  const std::byte* end;
-  bool overlaps(const Span& o) const { return begin < o.end && o.begin < end; }
-};
-
-enum class KernelKind : uint8_t { kCast, kReduce, kNetPull, kHandoff };
+enum class KernelKind : uint8_t { kCast, kReduce, kCopy, kNetPull, kHandoff };
 
 struct KernelTiming {
   cudaEvent_t start;
@@ -162,8 +157,15 @@ struct CudaExecutor::Impl {
   std::vector<FlagWord> staging;
   NetOutbox mailbox_staging{};
   bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
-  CudaReduceBudget reduce_budget;      // from TIDE_CUDA_REDUCE_BUDGET, or set_reduce_budget
-  cudaStream_t reduce_stream = nullptr;  // lowest priority; created at the first low-priority reduce
+  // The lowering's output and the launch arguments built from it, reused run after run (their
+  // capacity stays: no allocation per run once warm).
+  std::vector<std::byte*> window_data;  // window.data(r) per rank, read at the first run
+  lowering::CommandList commands;
+  std::vector<cuda_kernels::ReduceSpec> reduce_specs;
+  std::vector<cuda_kernels::CopySpec> copy_specs;
+  std::vector<void*> batch_dsts;
+  std::vector<const void*> batch_srcs;
+  std::vector<std::size_t> batch_sizes;
   std::vector<cudaStream_t> streams_used;
 
   bool stats_enabled = false;
@@ -221,23 +223,20 @@ struct CudaExecutor::Impl {
   // ---- Lowering (lowering.cpp). ----
   void enqueue_program(const Program& program, const Bindings& bindings, uint64_t epoch,
                        uint64_t tag);
-  // Steps from `first` on that join one cast batch / one reduce kernel; return the next step.
-  std::size_t enqueue_casts(const std::vector<Step>& steps, std::size_t first,
-                            const Resolve& resolve, const std::function<bool(std::size_t)>& batchable);
-  std::size_t enqueue_reduces(const std::vector<Step>& steps, std::size_t first,
-                              const Resolve& resolve,
-                              const std::function<bool(std::size_t)>& batchable);
-  void launch_reduce_batch(const std::vector<cuda_kernels::ReduceSpec>& reduces, int num_sources);
+  // The commands of lowering::lower (command_list.hpp), each issued as lowering.cpp's header says.
+  void enqueue_casts(const std::vector<Step>& steps, std::size_t first, std::size_t end,
+                     const Resolve& resolve);
+  void launch_reduces(const lowering::Command& c);
+  void launch_copies(std::size_t first, std::size_t count);
+  void enqueue_engine_copies(std::size_t first, std::size_t count);
   std::size_t handoff_start(const Program& program) const;
   void enqueue_handoff(const std::vector<Step>& steps, std::size_t first, const Resolve& resolve,
                        uint64_t epoch, uint64_t tag);
   void enqueue_copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                        std::size_t width, std::size_t rows);
-  void enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
-                      std::vector<std::size_t>& sizes, const std::vector<int>& window_pairs);
-  // Consecutive signals and waits from `first` on in one cuStreamBatchMemOp; returns the next step.
-  std::size_t enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first, uint64_t epoch,
-                               uint64_t tag, const std::function<bool(std::size_t)>& batchable);
+  // Signals and waits of steps [first, end) in one cuStreamBatchMemOp.
+  void enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first, std::size_t end,
+                        uint64_t epoch, uint64_t tag);
   cudaEvent_t issue_group(const net::NetGroup& group, const Program& program,
                           const Resolve& resolve, uint64_t epoch, uint64_t tag, Phase phase);
 

@@ -3,8 +3,10 @@
 #include "kernels.cuh"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,28 +38,45 @@ struct CastTable {
   CastTask tasks[kTasks];
 };
 
+// 40 bytes, so that a launch's table holds 584 tasks of 2 sources: a 512-param bucket in one
+// launch at W = 2. Task t's sources are the table's sources[t * num_sources ...].
 struct ReduceTask {
   void* dst;
   const void* partial;  // nullptr: the sum starts at 0
   int64_t count;
-  int64_t tile_begin;
   float prescale;
   float scale;
-  int32_t source_begin;  // index of this task's first source in the table's `sources`
+  int32_t tile_begin;   // a launch covers fewer than 2^31 tiles (launch_reduces checks)
   uint8_t src_type;
   uint8_t dst_type;
-  uint8_t accumulate;
-  uint8_t vectorized;
   uint8_t partial_type;  // kFP32 or kBF16
+  uint8_t accumulate : 1;
+  uint8_t vectorized : 1;
 };
+static_assert(sizeof(ReduceTask) == 40, "ReduceTask must stay 40 bytes (a launch's capacity)");
 
-template <int kTasks, int kSources>
+// num_tasks tasks, then num_tasks x num_sources source pointers, in `data`: a table of kBytes
+// holds as many tasks as their sources leave room for.
+template <std::size_t kBytes>
 struct ReduceTable {
   int num_tasks;
   int num_sources;  // per task (= world)
   int64_t num_tiles;
-  ReduceTask tasks[kTasks];
-  const void* sources[kSources];
+  alignas(8) unsigned char data[kBytes];
+
+  static constexpr std::size_t capacity(int sources) {
+    return kBytes / (sizeof(ReduceTask) + sizeof(void*) * static_cast<std::size_t>(sources));
+  }
+  __host__ __device__ ReduceTask* tasks() { return reinterpret_cast<ReduceTask*>(data); }
+  __host__ __device__ const ReduceTask* tasks() const {
+    return reinterpret_cast<const ReduceTask*>(data);
+  }
+  __host__ __device__ const void** sources() {
+    return reinterpret_cast<const void**>(data + sizeof(ReduceTask) * num_tasks);
+  }
+  __host__ __device__ const void* const* sources() const {
+    return reinterpret_cast<const void* const*>(data + sizeof(ReduceTask) * num_tasks);
+  }
 };
 
 // Kernel parameters may take 32764 bytes (CUDA >= 12.1, Volta and newer). A launch copies its whole
@@ -68,13 +87,13 @@ using SmallCastTable = CastTable<16>;
 constexpr int kLargeCastTasks = 480;
 using LargeCastTable = CastTable<kLargeCastTasks>;
 constexpr int kOneReduceSources = 16;
-using OneReduceTable = ReduceTable<1, kOneReduceSources>;
-using SmallReduceTable = ReduceTable<16, 256>;
-using LargeReduceTable = ReduceTable<128, kMaxSources>;
+using OneReduceTable = ReduceTable<sizeof(ReduceTask) + kOneReduceSources * sizeof(void*)>;
+using SmallReduceTable = ReduceTable<16 * sizeof(ReduceTask) + 256 * sizeof(void*)>;
+using LargeReduceTable = ReduceTable<32744>;
 static_assert(sizeof(LargeCastTable) <= 32764, "cast table exceeds the kernel parameter limit");
-// The reduce kernel also takes its launch's tile range (two int64_t).
-static_assert(sizeof(LargeReduceTable) + 2 * sizeof(int64_t) <= 32764,
-              "reduce table exceeds the kernel parameter limit");
+static_assert(sizeof(LargeReduceTable) <= 32764, "reduce table exceeds the kernel parameter limit");
+static_assert(LargeReduceTable::capacity(2) >= 512, "a 512-param bucket at W = 2 is one launch");
+static_assert(LargeReduceTable::capacity(kMaxSources) >= 1, "a task of kMaxSources sources fits");
 
 // ---- Cast. -----------------------------------------------------------------------------------
 
@@ -260,7 +279,7 @@ __device__ __forceinline__ void reduce_table_tile(const ReduceTask* tasks, int n
                                                   int64_t tile, int& t) {
   while (t + 1 < num_tasks && tasks[t + 1].tile_begin <= tile) ++t;
   const ReduceTask& task = tasks[t];
-  const void* const* sources = all_sources + task.source_begin;
+  const void* const* sources = all_sources + static_cast<int64_t>(t) * num_sources;
   const int64_t begin = (tile - task.tile_begin) * kTileElements;
   const int64_t end = min(begin + kTileElements, task.count);
   switch (task.src_type) {
@@ -270,15 +289,12 @@ __device__ __forceinline__ void reduce_table_tile(const ReduceTask* tasks, int n
   }
 }
 
-// Tiles [tile_first, tile_end) of the table, grid-striding: a persistent launch covers every tile;
-// a wave of a short-lived schedule (ReduceGrid::tiles_per_cta) covers gridDim.x x tiles_per_cta.
+// Persistent CTAs, grid-striding over every tile of the table.
 template <class Table>
-__global__ void __launch_bounds__(kThreadsPerCta, 4) reduce_kernel(const __grid_constant__ Table table,
-                                                                   int64_t tile_first,
-                                                                   int64_t tile_end) {
+__global__ void __launch_bounds__(kThreadsPerCta, 4) reduce_kernel(const __grid_constant__ Table table) {
   int t = 0;
-  for (int64_t tile = tile_first + blockIdx.x; tile < tile_end; tile += gridDim.x)
-    reduce_table_tile(table.tasks, table.num_tasks, table.sources, table.num_sources, tile, t);
+  for (int64_t tile = blockIdx.x; tile < table.num_tiles; tile += gridDim.x)
+    reduce_table_tile(table.tasks(), table.num_tasks, table.sources(), table.num_sources, tile, t);
 }
 
 // ---- Handoff: a small program's stores, signals, waits and reduces in one kernel. -------------
@@ -400,6 +416,25 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) handoff_kernel(const __grid
     reduce_table_tile(table.reduces, table.num_reduces, table.sources, table.num_sources, tile, t);
 }
 
+// ---- Copies on the SMs (launch_copies). -----------------------------------------------------
+
+template <int kTasks>
+struct CopyTable {
+  int num_tasks;
+  int64_t num_tiles;
+  CopyTask tasks[kTasks];
+};
+using SmallCopyTable = CopyTable<32>;
+using LargeCopyTable = CopyTable<kLargeCopyTasks>;
+static_assert(sizeof(LargeCopyTable) <= 32764, "copy table exceeds the kernel parameter limit");
+
+template <class Table>
+__global__ void __launch_bounds__(kThreadsPerCta, 4) copy_kernel(const __grid_constant__ Table table) {
+  int t = 0;
+  for (int64_t tile = blockIdx.x; tile < table.num_tiles; tile += gridDim.x)
+    copy_table_tile(table.tasks, table.num_tasks, tile, t);
+}
+
 // ---- The IPC network's pull. -------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kThreadsPerCta) net_pull_kernel(const uint64_t* offset,
@@ -439,9 +474,22 @@ ReduceTask reduce_task(const ReduceSpec& s, int num_sources) {
   for (int p = 0; p < num_sources; ++p) vectorized = vectorized && aligned16(s.sources[p]);
   TIDE_CHECK_ARG(!s.partial || s.partial_type == kFP32 || s.partial_type == kBF16,
                  "launch_reduces", "partial_type", static_cast<int>(s.partial_type), "fp32 or bf16");
-  return {s.dst, s.partial, s.count, 0, s.prescale, s.scale, 0, s.src_type, s.dst_type,
-          static_cast<uint8_t>(s.accumulate), static_cast<uint8_t>(vectorized),
-          static_cast<uint8_t>(s.partial_type)};
+  ReduceTask task{s.dst, s.partial, s.count, s.prescale, s.scale, 0, s.src_type, s.dst_type,
+                  static_cast<uint8_t>(s.partial_type)};
+  task.accumulate = s.accumulate;
+  task.vectorized = vectorized;
+  return task;
+}
+
+// A copy's task (tile_begin set by the table it joins); null for one of no bytes.
+std::optional<CopyTask> copy_task(const CopySpec& c) {
+  const auto bytes = static_cast<int64_t>(c.bytes);
+  const auto total = static_cast<int64_t>(c.bytes + c.zero_bytes);
+  if (total == 0) return std::nullopt;
+  return CopyTask{static_cast<const std::byte*>(c.src), static_cast<std::byte*>(c.dst), bytes, total,
+                  0,
+                  static_cast<uint8_t>(aligned16(c.src) && aligned16(c.dst) && bytes % 16 == 0 &&
+                                       total % 16 == 0)};
 }
 
 void check_launch(const char* kernel) {
@@ -475,45 +523,47 @@ int launch_cast_table(const std::vector<CastTask>& tasks, std::size_t first, std
   return grid;
 }
 
+// Tasks [first, first + n) (their sources at k * num_sources), n <= Table::capacity(num_sources),
+// fewer than 2^31 tiles in all, as one persistent launch.
 template <class Table>
-LaunchInfo launch_reduce_table(const std::vector<ReduceTask>& tasks,
-                               const std::vector<const void*>& sources, int num_sources,
-                               std::size_t first, std::size_t n, const ReduceGrid& shape,
-                               cudaStream_t stream) {
+int launch_reduce_table(const std::vector<ReduceTask>& tasks, const std::vector<const void*>& sources,
+                        int num_sources, std::size_t first, std::size_t n, int max_ctas,
+                        cudaStream_t stream) {
   Table table{};
   table.num_tasks = static_cast<int>(n);
   table.num_sources = num_sources;
+  ReduceTask* table_tasks = table.tasks();
+  const void** table_sources = table.sources();
   int64_t tiles = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    ReduceTask& task = table.tasks[i];
-    task = tasks[first + i];
-    task.tile_begin = tiles;
-    task.source_begin = static_cast<int32_t>(i * num_sources);
-    for (int p = 0; p < num_sources; ++p)
-      table.sources[i * num_sources + p] = sources[(first + i) * num_sources + p];
-    tiles += tiles_of(task.count);
+    table_tasks[i] = tasks[first + i];
+    table_tasks[i].tile_begin = static_cast<int32_t>(tiles);
+    tiles += tiles_of(table_tasks[i].count);
   }
+  std::copy_n(sources.begin() + static_cast<std::ptrdiff_t>(first * num_sources), n * num_sources,
+              table_sources);
   table.num_tiles = tiles;
-  LaunchInfo info;
-  if (shape.tiles_per_cta <= 0) {  // persistent: one launch over every tile
-    const int grid = grid_for(tiles, shape.max_ctas);
-    reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table, 0, tiles);
-    check_launch("reduce_kernel<<<>>>");
-    return {1, grid};
+  const int grid = grid_for(tiles, max_ctas);
+  reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
+  check_launch("reduce_kernel<<<>>>");
+  return grid;
+}
+
+template <class Table>
+int launch_copy_table(const std::vector<CopyTask>& tasks, std::size_t first, std::size_t n,
+                      cudaStream_t stream) {
+  Table table{};
+  table.num_tasks = static_cast<int>(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    table.tasks[i] = tasks[first + i];
+    table.tasks[i].tile_begin = table.num_tiles;
+    table.num_tiles += (table.tasks[i].total + kCopyTileBytes - 1) / kCopyTileBytes;
   }
-  // Short-lived CTAs: waves of at most `cap` CTAs, each CTA at most tiles_per_cta tiles.
-  const int64_t cap = grid_for(tiles, shape.max_ctas);
-  const int64_t per_cta = shape.tiles_per_cta;
-  const int64_t per_wave = cap * per_cta;
-  for (int64_t begin = 0; begin < tiles; begin += per_wave) {
-    const int64_t end = std::min(tiles, begin + per_wave);
-    const int grid = static_cast<int>((end - begin + per_cta - 1) / per_cta);
-    reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table, begin, end);
-    check_launch("reduce_kernel<<<>>>");
-    info.launches += 1;
-    info.max_ctas = std::max(info.max_ctas, grid);
-  }
-  return info;
+  // As the casts' grid: stores only, little in flight per thread.
+  const int grid = grid_for(table.num_tiles, 0, 2);
+  copy_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
+  check_launch("copy_kernel<<<>>>");
+  return grid;
 }
 
 }  // namespace
@@ -526,6 +576,8 @@ void preload_kernels() {
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<OneReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<SmallReduceTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<LargeReduceTable>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, copy_kernel<SmallCopyTable>));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, copy_kernel<LargeCopyTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, net_pull_kernel));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, handoff_kernel));
 }
@@ -582,46 +634,55 @@ LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ct
 
 LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
                           int max_ctas, cudaStream_t stream) {
-  return launch_reduces(specs, num_specs, num_sources, ReduceGrid{max_ctas, 0}, stream);
-}
-
-LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
-                          const ReduceGrid& shape, cudaStream_t stream) {
-  TIDE_CHECK_ARG(shape.tiles_per_cta <= kMaxTilesPerCta, "launch_reduces", "tiles_per_cta",
-                 shape.tiles_per_cta, detail::concat("<= ", kMaxTilesPerCta));
   TIDE_CHECK_ARG(num_sources >= 1 && num_sources <= kMaxSources, "launch_reduces", "num_sources",
                  num_sources, detail::concat("in [1, ", kMaxSources, "]"));
   std::vector<ReduceTask> tasks;
   std::vector<const void*> sources;
+  std::vector<int64_t> task_tiles;
   tasks.reserve(num_specs);
+  sources.reserve(num_specs * num_sources);
   for (std::size_t i = 0; i < num_specs; ++i) {
     if (specs[i].count == 0) continue;
     tasks.push_back(reduce_task(specs[i], num_sources));
+    task_tiles.push_back(tiles_of(specs[i].count));
+    TIDE_CHECK_ARG(task_tiles.back() <= INT32_MAX, "launch_reduces", "count", specs[i].count,
+                   detail::concat("at most ", INT32_MAX, " tiles of ", kTileElements, " elements"));
     sources.insert(sources.end(), specs[i].sources, specs[i].sources + num_sources);
   }
+  // Table by size: the one-task and 16-task tables keep a small launch's parameter copy small.
+  const std::size_t small = SmallReduceTable::capacity(num_sources);
+  const std::size_t large = LargeReduceTable::capacity(num_sources);
   LaunchInfo info;
-  const bool small_fits = num_sources * 16 <= 256;
-  const std::size_t large_per_launch =
-      std::min<std::size_t>(128, static_cast<std::size_t>(kMaxSources / num_sources));
   for (std::size_t first = 0; first < tasks.size();) {
-    const std::size_t remaining = tasks.size() - first;
-    LaunchInfo table_info;
     std::size_t n = 0;
-    if (remaining == 1 && num_sources <= kOneReduceSources) {
-      n = 1;
-      table_info = launch_reduce_table<OneReduceTable>(tasks, sources, num_sources, first, n, shape,
-                                                       stream);
-    } else if (small_fits && remaining <= 16) {
-      n = remaining;
-      table_info = launch_reduce_table<SmallReduceTable>(tasks, sources, num_sources, first, n,
-                                                         shape, stream);
-    } else {
-      n = std::min(remaining, large_per_launch);
-      table_info = launch_reduce_table<LargeReduceTable>(tasks, sources, num_sources, first, n,
-                                                         shape, stream);
-    }
-    info.launches += table_info.launches;
-    info.max_ctas = std::max(info.max_ctas, table_info.max_ctas);
+    int64_t tiles = 0;
+    while (first + n < tasks.size() && n < large && tiles + task_tiles[first + n] <= INT32_MAX)
+      tiles += task_tiles[first + n++];
+    const int grid =
+        n == 1 && num_sources <= kOneReduceSources
+            ? launch_reduce_table<OneReduceTable>(tasks, sources, num_sources, first, n, max_ctas, stream)
+        : n <= small
+            ? launch_reduce_table<SmallReduceTable>(tasks, sources, num_sources, first, n, max_ctas, stream)
+            : launch_reduce_table<LargeReduceTable>(tasks, sources, num_sources, first, n, max_ctas, stream);
+    info.launches += 1;
+    info.max_ctas = std::max(info.max_ctas, grid);
+    first += n;
+  }
+  return info;
+}
+
+LaunchInfo launch_copies(const CopySpec* specs, std::size_t num_specs, cudaStream_t stream) {
+  std::vector<CopyTask> tasks;
+  tasks.reserve(num_specs);
+  for (std::size_t i = 0; i < num_specs; ++i)
+    if (const std::optional<CopyTask> task = copy_task(specs[i])) tasks.push_back(*task);
+  LaunchInfo info;
+  for (std::size_t first = 0; first < tasks.size();) {
+    const std::size_t n = std::min<std::size_t>(tasks.size() - first, kLargeCopyTasks);
+    const int grid = n <= 32 ? launch_copy_table<SmallCopyTable>(tasks, first, n, stream)
+                             : launch_copy_table<LargeCopyTable>(tasks, first, n, stream);
+    info.launches += 1;
+    info.max_ctas = std::max(info.max_ctas, grid);
     first += n;
   }
   return info;
@@ -658,15 +719,12 @@ LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream) {
     table.cast_tiles += tiles_of(task.total);
   }
   for (std::size_t i = 0; i < spec.num_copies; ++i) {
-    const CopySpec& c = spec.copies[i];
-    const auto total = static_cast<int64_t>(c.bytes + c.zero_bytes);
-    if (total == 0) continue;
-    const auto bytes = static_cast<int64_t>(c.bytes);
-    table.copies[table.num_copies++] = {
-        static_cast<const std::byte*>(c.src), static_cast<std::byte*>(c.dst), bytes, total,
-        table.copy_tiles,
-        static_cast<uint8_t>(aligned16(c.src) && aligned16(c.dst) && bytes % 16 == 0 && total % 16 == 0)};
-    table.copy_tiles += (total + kCopyTileBytes - 1) / kCopyTileBytes;
+    const std::optional<CopyTask> task = copy_task(spec.copies[i]);
+    if (!task) continue;
+    CopyTask& entry = table.copies[table.num_copies++];
+    entry = *task;
+    entry.tile_begin = table.copy_tiles;
+    table.copy_tiles += (entry.total + kCopyTileBytes - 1) / kCopyTileBytes;
   }
   table.num_sources = spec.num_sources;
   for (std::size_t i = 0; i < spec.num_reduces; ++i) {
@@ -674,9 +732,9 @@ LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream) {
     if (r.count == 0) continue;
     ReduceTask& task = table.reduces[table.num_reduces];
     task = reduce_task(r, spec.num_sources);
-    task.tile_begin = table.reduce_tiles;
-    task.source_begin = table.num_reduces * spec.num_sources;
-    for (int p = 0; p < spec.num_sources; ++p) table.sources[task.source_begin + p] = r.sources[p];
+    task.tile_begin = static_cast<int32_t>(table.reduce_tiles);
+    for (int p = 0; p < spec.num_sources; ++p)
+      table.sources[table.num_reduces * spec.num_sources + p] = r.sources[p];
     table.reduce_tiles += tiles_of(task.count);
     ++table.num_reduces;
   }

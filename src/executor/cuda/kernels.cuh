@@ -71,30 +71,16 @@ int sm_count();  // of the current device
 // calls this before any wait can be enqueued.
 void preload_kernels();
 
-// How a reduce uses the SMs (the executor's CudaReduceBudget without the stream priority, which
-// is the caller's choice of stream). Which CTA computes a tile never changes its arithmetic, so
-// every grid gives bitwise the same results.
-struct ReduceGrid {
-  // CTAs resident at once, at most; <= 0: default_max_ctas().
-  int max_ctas = 0;
-  // <= 0: persistent, today's default: one launch of min(tiles, max_ctas) CTAs grid-striding over
-  // every tile. > 0: short-lived CTAs: launches ("waves", in stream order) of at most max_ctas CTAs
-  // covering max_ctas x tiles_per_cta tiles each, every CTA handling at most tiles_per_cta tiles
-  // and exiting, so SMs free up for other kernels during the reduce, not only after it.
-  int tiles_per_cta = 0;
-};
-inline constexpr int kMaxTilesPerCta = 1 << 20;
-
-// Enqueue the casts (any src/dst types) / reduces on `stream`. Grids are min(tiles, max_ctas).
-// Throw tide::SystemError on a launch error, InvalidArgument for more than kMaxSources sources
-// per task.
+// Enqueue the casts (any src/dst types) / reduces / copies on `stream`, grids min(tiles, max_ctas)
+// (max_ctas <= 0: the default grid). Each is one launch while its table fits one launch's
+// parameter space (every cast up to kLargeCastTasks; reduces up to ~32 KB / (40 + 8 x sources)
+// bytes, 584 of 2 sources; copies up to kLargeCopyTasks), so the host's cost does not grow with the
+// param count. Throw tide::SystemError on a launch error, InvalidArgument for more than
+// kMaxSources sources per task.
 LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ctas,
                         cudaStream_t stream);
-// Persistent (ReduceGrid{max_ctas, 0}).
 LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
                           int max_ctas, cudaStream_t stream);
-LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
-                          const ReduceGrid& grid, cudaStream_t stream);
 
 // One kernel for the tail of a small single-node program (Delivery::kCastToPeers): its casts and
 // copies (SM stores, into the peers' windows as well), then its signals, then its waits, then its
@@ -126,6 +112,13 @@ struct CopySpec {
   std::size_t bytes;
   std::size_t zero_bytes = 0;
 };
+
+// Copies on the SMs (stores, into the peers' windows as well), one launch for up to
+// kLargeCopyTasks of them: what the lowering uses for a step's copies that would otherwise be one
+// copy-engine operation each (a reduce-scatter's pushes from gradients wherever they are), since
+// every copy-engine operation costs the host microseconds.
+inline constexpr int kLargeCopyTasks = 680;
+LaunchInfo launch_copies(const CopySpec* specs, std::size_t num_specs, cudaStream_t stream);
 
 struct HandoffSpec {
   const CastSpec* casts = nullptr;  // contiguous destinations only (rows == 1)

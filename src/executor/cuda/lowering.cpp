@@ -1,10 +1,15 @@
-// The CUDA executor's lowering: a program's steps -> operations on the compute stream.
+// The CUDA executor's lowering: a program's steps -> operations on the compute stream. Which steps
+// share a driver call, and which copies go where, is decided without CUDA by lowering::lower
+// (command_list.cpp, testable on CPU); this file issues its commands.
 //
 //   CopyBatch  -> cudaMemcpyBatchAsync (copy engines preferred, source in stream order);
 //                 one cudaMemcpyAsync per copy where batches are unavailable; 2-D copies (rows > 1)
 //                 one cudaMemcpy2DAsync each (copy engines; the batch API is 1-D only), and so
 //                 runs of equal copies at one pitch (equal params: one operation, not one each).
-//   CastOp     -> equal types: a batched copy + cudaMemsetAsync of the pad (no kernel), or a
+//                 More 1-D copies under kMinEngineCopyBytes than kMaxEngineCopies left after
+//                 that: one copy kernel (SM stores), as the copy engines cost the host
+//                 microseconds per copy; the larger ones stay on the engines.
+//   CastOp     -> equal types: copies placed as a CopyBatch's + cudaMemsetAsync of the pad (no kernel), or a
 //                 cudaMemcpy2DAsync for a strided destination; otherwise one cast kernel for all
 //                 consecutive CastOps (strided destinations included).
 //   SignalOp   -> a write of the tag, then of the epoch, into the peer's FlagWord (each write is
@@ -17,17 +22,19 @@
 //                 (wait_marks.hpp): a driver call costs the host microseconds, and at W = 2 a
 //                 collective makes 4 (the cast or reduce, the push, two of these).
 //   ReduceOp   -> one reduce kernel for consecutive ReduceOps with as many sources each, none
-//                 reading or writing what an earlier one of the kernel writes.
+//                 reading or writing what an earlier one of the kernel writes (up to a launch's
+//                 table: 584 of 2 sources, kernels.cuh).
 //   The tail of a Delivery::kCastToPeers program (its casts and copies, signals, waits and
 //                 reduces after the slot-free handshake) -> one handoff kernel (kernels.cuh), where
 //                 the window's peers can run kernels beside this rank's (CudaWindow::
-//                 peers_run_beside_own), the reduces use the default budget, the tail fits one
+//                 peers_run_beside_own), the tail fits one
 //                 launch and TIDE_CUDA_HANDOFF is not 0; the steps above otherwise.
 //   NetSendOp/NetRecvOp -> grouped on a network stream, as the group schedule
 //                 (src/executor/net/group_schedule.hpp) says: issued after the stream reaches the
 //                 group's last op, waited for only by steps that touch its bytes; over NCCL
 //                 (nccl_transport.cpp) or, without a communicator on a CudaReach::kHost window,
 //                 over CUDA IPC (ipc_transport.cpp).
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdlib>
@@ -58,63 +65,41 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
     schedule = net::schedule_groups(program);
     if (!net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&net_ready, cudaEventDisableTiming));
   }
-  // Issues and waits the schedule asks for before step i (i == steps.size(): the end).
-  std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
-  auto network_actions = [&](std::size_t i) {
-    if (!has_net) return;
-    for (int g : schedule.issue_before[i])
-      group_done.push_back(issue_group(schedule.groups[g], program, resolve, epoch, tag,
-                                       steps[schedule.groups[g].ops.back()].phase));
-    if (schedule.wait_before[i] >= 0)
-      TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, group_done[schedule.wait_before[i]], 0));
-  };
-  // Whether step j may join a kernel batch started earlier: no network action falls between.
-  const std::function<bool(std::size_t)> batchable = [&](std::size_t j) {
-    return !has_net || (schedule.issue_before[j].empty() && schedule.wait_before[j] < 0);
-  };
+  if (window_data.empty())
+    for (int r = 0; r < window.world(); ++r) window_data.push_back(window.data(r));
+  const lowering::LoweringContext context{&window_data, has_net ? &schedule : nullptr,
+                                          has_net ? steps.size() : handoff_start(program)};
+  lowering::lower(program, bindings, context, commands);
 
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<std::size_t> sizes;
-  std::vector<int> window_pairs;
-  const std::size_t handoff = has_net ? steps.size() : handoff_start(program);
-  for (std::size_t i = 0; i < steps.size();) {
-    network_actions(i);
-    const Step& step = steps[i];
-    if (i == handoff) {
-      enqueue_handoff(steps, i, resolve, epoch, tag);
-      break;
-    }
-    if (std::holds_alternative<CastOp>(step.op)) {
-      i = enqueue_casts(steps, i, resolve, batchable);
-    } else if (std::holds_alternative<ReduceOp>(step.op)) {
-      i = enqueue_reduces(steps, i, resolve, batchable);
-    } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
-      dsts.clear(), srcs.clear(), sizes.clear(), window_pairs.clear();
-      for (const CopyOp& c : batch->copies) {
-        if (c.bytes == 0) continue;
-        if (c.rows > 1) {
-          enqueue_copy_2d(resolve(c.dst), c.dst_pitch, resolve(c.src), c.src_pitch, c.bytes, c.rows);
-          continue;
-        }
-        dsts.push_back(resolve(c.dst));
-        srcs.push_back(resolve(c.src));
-        sizes.push_back(c.bytes);
-        const bool windows = c.src.space == Space::kWindow && c.dst.space == Space::kWindow;
-        window_pairs.push_back(windows ? c.src.index * window.world() + c.dst.index : -1);
+  std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
+  for (const lowering::Command& c : commands.commands) {
+    switch (c.kind) {
+      case lowering::CommandKind::kNetActions:  // the schedule's issues and waits before step c.step
+        for (int g : schedule.issue_before[c.step])
+          group_done.push_back(issue_group(schedule.groups[g], program, resolve, epoch, tag,
+                                           steps[schedule.groups[g].ops.back()].phase));
+        if (schedule.wait_before[c.step] >= 0)
+          TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, group_done[schedule.wait_before[c.step]], 0));
+        break;
+      case lowering::CommandKind::kHandoff: enqueue_handoff(steps, c.step, resolve, epoch, tag); break;
+      case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve); break;
+      case lowering::CommandKind::kReduceKernel: launch_reduces(c); break;
+      case lowering::CommandKind::kCopy2D: {
+        const lowering::Copy2D& copy = commands.copies_2d[c.first];
+        enqueue_copy_2d(copy.dst, copy.dst_pitch, copy.src, copy.src_pitch, copy.width, copy.rows);
+        stats.copies_coalesced += static_cast<int>(copy.merged);
+        break;
       }
-      enqueue_copies(dsts, srcs, sizes, window_pairs);
-      ++i;
-    } else if (std::holds_alternative<SignalOp>(step.op) || std::holds_alternative<WaitOp>(step.op)) {
-      i = enqueue_flag_ops(steps, i, epoch, tag, batchable);
-    } else {
-      // NetSendOp / NetRecvOp: issued with their group (network_actions); the group waits for
-      // the compute stream to get here.
-      TIDE_CUDA_CHECK(cudaEventRecord(net_ready, stream));
-      ++i;
+      case lowering::CommandKind::kEngineCopies: enqueue_engine_copies(c.first, c.count); break;
+      case lowering::CommandKind::kCopyKernel: launch_copies(c.first, c.count); break;
+      case lowering::CommandKind::kFlagOps: enqueue_flag_ops(steps, c.step, c.end, epoch, tag); break;
+      case lowering::CommandKind::kNetStep:
+        // The step's group is issued with the schedule's actions; it waits for the compute
+        // stream to get here.
+        TIDE_CUDA_CHECK(cudaEventRecord(net_ready, stream));
+        break;
     }
   }
-  network_actions(steps.size());
   recycle_events(group_done);  // every wait on them is enqueued (waits capture the record)
 }
 
@@ -137,7 +122,7 @@ std::size_t CudaExecutor::Impl::handoff_start(const Program& program) const {
   const std::vector<Step>& steps = program.steps;
   const std::size_t none = steps.size();
   if (program.delivery != Delivery::kCastToPeers || !window.peers_run_beside_own() ||
-      !reduce_budget.is_default() || !handoff_enabled())
+      !handoff_enabled())
     return none;
   std::size_t k = steps.size(), reduces = 0, sources = 0;
   for (; k > 0; --k) {
@@ -236,16 +221,11 @@ void CudaExecutor::Impl::enqueue_handoff(const std::vector<Step>& steps, std::si
 
 // Consecutive casts write disjoint slots: same-type ones become one copy batch (+ memsets of their
 // pads), the rest one kernel.
-std::size_t CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size_t first,
-                                              const Resolve& resolve,
-                                              const std::function<bool(std::size_t)>& batchable) {
+void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size_t first,
+                                       std::size_t end, const Resolve& resolve) {
   std::vector<cuda_kernels::CastSpec> casts;
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<std::size_t> sizes;
-  std::size_t i = first;
-  for (; i < steps.size() && std::holds_alternative<CastOp>(steps[i].op) && (i == first || batchable(i));
-       ++i) {
+  const std::size_t first_copy = commands.copies.size();  // the same-type casts' copies, after the list's
+  for (std::size_t i = first; i < end; ++i) {
     const CastOp& cast = std::get<CastOp>(steps[i].op);
     std::byte* dst = resolve(cast.dst);
     const std::size_t dst_size = dtype_size(cast.dst_dtype);
@@ -254,11 +234,8 @@ std::size_t CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, st
         enqueue_copy_2d(dst, cast.dst_pitch, resolve(cast.src), cast.count * dst_size,
                         cast.count * dst_size, static_cast<std::size_t>(cast.rows));
     } else if (cast.src_dtype == cast.dst_dtype) {
-      if (cast.count > 0) {
-        dsts.push_back(dst);
-        srcs.push_back(resolve(cast.src));
-        sizes.push_back(static_cast<std::size_t>(cast.count) * dst_size);
-      }
+      if (cast.count > 0)
+        commands.copies.push_back({resolve(cast.src), dst, static_cast<std::size_t>(cast.count) * dst_size});
       if (cast.pad > 0)
         TIDE_CUDA_CHECK(cudaMemsetAsync(dst + cast.count * dst_size, 0, cast.pad * dst_size, stream));
     } else {
@@ -267,143 +244,54 @@ std::size_t CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, st
                        static_cast<int64_t>(cast.dst_pitch / dst_size)});
     }
   }
-  enqueue_copies(dsts, srcs, sizes, {});  // from the inputs: never merged
+  const std::size_t all = commands.copies.size() - first_copy;
+  const std::size_t kernel = lowering::kernel_copies(commands.copies, first_copy);
+  if (kernel > 0) launch_copies(first_copy, kernel);
+  if (all > kernel) enqueue_engine_copies(first_copy + kernel, all - kernel);
+  commands.copies.resize(first_copy);
   if (!casts.empty())
     launch_timed(KernelKind::kCast, stream, [&] {
       return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, stream);
     });
-  return i;
 }
 
-// One kernel for consecutive reduces with as many sources each, as long as none touches what an
-// earlier one in the kernel writes (a multi-node ring step sums the partial it just reduced) or
-// writes what an earlier one reads.
-std::size_t CudaExecutor::Impl::enqueue_reduces(const std::vector<Step>& steps, std::size_t first,
-                                                const Resolve& resolve,
-                                                const std::function<bool(std::size_t)>& batchable) {
-  const std::size_t num_sources = std::get<ReduceOp>(steps[first].op).sources.size();
-  std::vector<const void*> sources;  // num_sources per reduce, filled first: specs point into it
-  std::vector<Span> reads, writes;
-  std::vector<std::size_t> batch;
-  std::size_t i = first;
-  for (; i < steps.size() && std::holds_alternative<ReduceOp>(steps[i].op); ++i) {
-    const ReduceOp& reduce = std::get<ReduceOp>(steps[i].op);
-    if (!batch.empty() && (reduce.sources.size() != num_sources || !batchable(i))) break;
-    const std::size_t in_bytes = static_cast<std::size_t>(reduce.count) * dtype_size(reduce.src_dtype);
-    const std::byte* out = resolve(reduce.dst);
-    const Span written{out, out + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.dst_dtype)};
-    bool depends = false;
-    for (const Span& w : writes) depends |= w.overlaps(written);
-    for (const Span& r : reads) depends |= r.overlaps(written);
-    std::vector<Span> read_here;
-    for (const Address& a : reduce.sources) {
-      const std::byte* src = resolve(a);
-      read_here.push_back({src, src + in_bytes});
-    }
-    if (reduce.partial) {
-      const std::byte* partial = resolve(*reduce.partial);
-      read_here.push_back(
-          {partial, partial + static_cast<std::size_t>(reduce.count) * dtype_size(reduce.partial_dtype)});
-    }
-    for (const Span& r : read_here)
-      for (const Span& w : writes) depends |= w.overlaps(r);
-    if (!batch.empty() && depends) break;
-    for (const Address& a : reduce.sources) sources.push_back(resolve(a));
-    reads.insert(reads.end(), read_here.begin(), read_here.end());
-    writes.push_back(written);
-    batch.push_back(i);
+// The reduces of one kernel (command_list.cpp batched them).
+void CudaExecutor::Impl::launch_reduces(const lowering::Command& c) {
+  reduce_specs.clear();
+  for (std::size_t k = c.first; k < c.first + c.count; ++k) {
+    const lowering::Reduce& r = commands.reduces[k];
+    reduce_specs.push_back({commands.sources.data() + r.first_source, r.dst, r.partial, r.count,
+                            r.prescale, r.scale, r.accumulate, element_type(r.src_dtype),
+                            element_type(r.dst_dtype), element_type(r.partial_dtype)});
   }
-  std::vector<cuda_kernels::ReduceSpec> reduces;
-  for (std::size_t k = 0; k < batch.size(); ++k) {
-    const ReduceOp& reduce = std::get<ReduceOp>(steps[batch[k]].op);
-    const void* partial = reduce.partial ? resolve(*reduce.partial) : nullptr;
-    reduces.push_back({sources.data() + k * num_sources, resolve(reduce.dst), partial, reduce.count,
-                       reduce.prescale, reduce.scale, reduce.accumulate,
-                       element_type(reduce.src_dtype), element_type(reduce.dst_dtype),
-                       element_type(reduce.partial_dtype)});
-  }
-  launch_reduce_batch(reduces, static_cast<int>(num_sources));
-  return i;
-}
-
-// The reduce kernels under the executor's budget (CudaReduceBudget): the grid shape, and with
-// low_priority a lowest-priority stream of the executor's, fenced by events both ways so the
-// stream order of the program is kept (the stream waits for the reduce before its next step).
-void CudaExecutor::Impl::launch_reduce_batch(const std::vector<cuda_kernels::ReduceSpec>& reduces,
-                                             int num_sources) {
-  const cuda_kernels::ReduceGrid grid{reduce_budget.max_ctas, reduce_budget.tiles_per_cta};
-  if (!reduce_budget.low_priority) {
-    launch_timed(KernelKind::kReduce, stream, [&] {
-      return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), num_sources, grid, stream);
-    });
-    return;
-  }
-  if (!reduce_stream) {
-    int least = 0, greatest = 0;
-    TIDE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    TIDE_CUDA_CHECK(cudaStreamCreateWithPriority(&reduce_stream, cudaStreamNonBlocking, least));
-  }
-  use_stream(reduce_stream);
-  const cudaEvent_t before = take_event(), after = take_event();
-  TIDE_CUDA_CHECK(cudaEventRecord(before, stream));
-  TIDE_CUDA_CHECK(cudaStreamWaitEvent(reduce_stream, before, 0));
-  launch_timed(KernelKind::kReduce, reduce_stream, [&] {
-    return cuda_kernels::launch_reduces(reduces.data(), reduces.size(), num_sources, grid,
-                                        reduce_stream);
+  launch_timed(KernelKind::kReduce, stream, [&] {
+    return cuda_kernels::launch_reduces(reduce_specs.data(), reduce_specs.size(), c.num_sources, 0,
+                                        stream);
   });
-  TIDE_CUDA_CHECK(cudaEventRecord(after, reduce_stream));
-  TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, after, 0));
-  recycle_events({before, after});  // both waits are enqueued (they capture the records)
 }
 
-// cudaMemcpy2DAsync refuses pitches past the device's maximum (cudaDevAttrMaxPitch, 2^31 - 1 on
-// current GPUs); runs farther apart stay 1-D copies.
-constexpr std::ptrdiff_t kMaxCopyPitch = (std::ptrdiff_t{1} << 31) - 1;
-
-// Runs of copies of one size whose sources and destinations each advance by one pitch go as one
-// 2-D copy: the copy engine then takes one operation for the run instead of one per copy (a peer's
-// pushes of equal params sit W slots apart in both windows; every copy-engine operation costs
-// microseconds, BENCHMARKS.md). Only copies between the same two windows merge (window_pairs[k]:
-// copy k's source and destination window, -1 for other memory; empty: none): a 2-D copy must lie
-// within one allocation on each side, which cudaMemcpy2DAsync checks (invalid argument). The rest
-// go as one batch. The copies of a batch are independent, so their order does not matter.
-void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<const void*>& srcs,
-                                        std::vector<std::size_t>& sizes,
-                                        const std::vector<int>& window_pairs) {
-  const std::size_t n = dsts.size();
-  auto same_windows = [&](std::size_t a, std::size_t b) {
-    return !window_pairs.empty() && window_pairs[a] >= 0 && window_pairs[a] == window_pairs[b];
-  };
-  std::size_t kept = 0;
-  for (std::size_t i = 0; i < n;) {
-    const auto* dst = static_cast<const std::byte*>(dsts[i]);
-    const auto* src = static_cast<const std::byte*>(srcs[i]);
-    std::size_t j = i + 1;
-    std::ptrdiff_t dst_pitch = 0, src_pitch = 0;
-    if (j < n && sizes[j] == sizes[i] && same_windows(i, j)) {
-      dst_pitch = static_cast<const std::byte*>(dsts[j]) - dst;
-      src_pitch = static_cast<const std::byte*>(srcs[j]) - src;
-      const auto width = static_cast<std::ptrdiff_t>(sizes[i]);
-      const bool regular = dst_pitch >= width && src_pitch >= width && dst_pitch <= kMaxCopyPitch &&
-                           src_pitch <= kMaxCopyPitch;
-      while (regular && j < n && sizes[j] == sizes[i] && same_windows(i, j) &&
-             static_cast<const std::byte*>(dsts[j]) - static_cast<const std::byte*>(dsts[j - 1]) == dst_pitch &&
-             static_cast<const std::byte*>(srcs[j]) - static_cast<const std::byte*>(srcs[j - 1]) == src_pitch)
-        ++j;
-    }
-    if (j - i >= 2) {
-      enqueue_copy_2d(dsts[i], static_cast<std::size_t>(dst_pitch), srcs[i],
-                      static_cast<std::size_t>(src_pitch), sizes[i], j - i);
-      stats.copies_coalesced += static_cast<int>(j - i);
-    } else {
-      dsts[kept] = dsts[i], srcs[kept] = srcs[i], sizes[kept] = sizes[i];
-      ++kept;
-    }
-    i = j;
+// copies[first, first + count) as one copy kernel (SM stores).
+void CudaExecutor::Impl::launch_copies(std::size_t first, std::size_t count) {
+  copy_specs.clear();
+  for (std::size_t k = first; k < first + count; ++k) {
+    const lowering::Copy& c = commands.copies[k];
+    copy_specs.push_back({c.src, c.dst, c.bytes});
   }
-  dsts.resize(kept), srcs.resize(kept), sizes.resize(kept);
-  if (dsts.empty()) return;
-  stats.copies += static_cast<int>(dsts.size());
+  launch_timed(KernelKind::kCopy, stream, [&] {
+    return cuda_kernels::launch_copies(copy_specs.data(), copy_specs.size(), stream);
+  });
+  stats.copies_by_kernel += static_cast<int>(count);
+}
+
+// copies[first, first + count) in one cudaMemcpyBatchAsync (copy engines preferred, source in
+// stream order); one cudaMemcpyAsync each where batches are unavailable.
+void CudaExecutor::Impl::enqueue_engine_copies(std::size_t first, std::size_t count) {
+  batch_dsts.clear(), batch_srcs.clear(), batch_sizes.clear();
+  for (std::size_t k = first; k < first + count; ++k) {
+    const lowering::Copy& c = commands.copies[k];
+    batch_dsts.push_back(c.dst), batch_srcs.push_back(c.src), batch_sizes.push_back(c.bytes);
+  }
+  stats.copies += static_cast<int>(count);
 #if CUDART_VERSION >= 12080
   if (batch_copies && stream != nullptr && stream != cudaStreamLegacy) {
     cudaMemcpyAttributes attributes{};
@@ -411,14 +299,14 @@ void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<co
     attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // keep SMs free: copy engines
     std::size_t attribute_index = 0;
 #if CUDART_VERSION >= 13000
-    const cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
-                                                    dsts.size(), &attributes, &attribute_index,
-                                                    1, stream);
+    const cudaError_t status = cudaMemcpyBatchAsync(batch_dsts.data(), batch_srcs.data(),
+                                                    batch_sizes.data(), count, &attributes,
+                                                    &attribute_index, 1, stream);
 #else
     std::size_t fail_index = 0;
-    const cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
-                                                    dsts.size(), &attributes, &attribute_index,
-                                                    1, &fail_index, stream);
+    const cudaError_t status = cudaMemcpyBatchAsync(batch_dsts.data(), batch_srcs.data(),
+                                                    batch_sizes.data(), count, &attributes,
+                                                    &attribute_index, 1, &fail_index, stream);
 #endif
     if (status == cudaSuccess) return;
     // Unsupported here (driver, stream kind): fall back for good. A real addressing error
@@ -427,9 +315,10 @@ void CudaExecutor::Impl::enqueue_copies(std::vector<void*>& dsts, std::vector<co
     batch_copies = false;
   }
 #endif
-  for (std::size_t i = 0; i < dsts.size(); ++i)
-    TIDE_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream));
-  stats.single_copy_calls += static_cast<int>(dsts.size());
+  for (std::size_t i = 0; i < count; ++i)
+    TIDE_CUDA_CHECK(cudaMemcpyAsync(batch_dsts[i], batch_srcs[i], batch_sizes[i],
+                                    cudaMemcpyDeviceToDevice, stream));
+  stats.single_copy_calls += static_cast<int>(count);
 }
 
 // A 2-D copy (a block of a param sharded on a dim > 0) on a copy engine. cudaMemcpyBatchAsync
@@ -444,9 +333,6 @@ void CudaExecutor::Impl::enqueue_copy_2d(void* dst, std::size_t dst_pitch, const
 
 namespace {
 
-// cuStreamBatchMemOp takes fewer than 256 operations per call.
-constexpr std::size_t kMaxMemOps = 254;
-
 CUdeviceptr address(uint64_t* word) { return reinterpret_cast<CUdeviceptr>(word); }
 
 }  // namespace
@@ -456,16 +342,14 @@ CUdeviceptr address(uint64_t* word) { return reinterpret_cast<CUdeviceptr>(word)
 // cuStreamBatchMemOp: per signal the tag, then the epoch, into the peer's FlagWord; per wait
 // epoch >= e, then tag == t, on the own one. The waits of the call are one watched record, marked
 // reached before the first and passed after the last.
-std::size_t CudaExecutor::Impl::enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first,
-                                                 uint64_t epoch, uint64_t tag,
-                                                 const std::function<bool(std::size_t)>& batchable) {
+void CudaExecutor::Impl::enqueue_flag_ops(const std::vector<Step>& steps, std::size_t first,
+                                          std::size_t end, uint64_t epoch, uint64_t tag) {
   const int rank = window.rank(), world = window.world();
-  std::array<CUstreamBatchMemOpParams, kMaxMemOps> ops;  // on the stack: no allocation per run
+  // On the stack: no allocation per run. command_list.cpp left room for the two marks.
+  std::array<CUstreamBatchMemOpParams, lowering::kMaxMemOps> ops;
   std::size_t count = 0;
   std::optional<PendingWait> record;
-  std::size_t i = first;
-  // Room for this step's two operations and the two marks.
-  for (; i < steps.size() && (i == first || batchable(i)) && count + 4 <= kMaxMemOps; ++i) {
+  for (std::size_t i = first; i < end; ++i) {
     if (const auto* signal = std::get_if<SignalOp>(&steps[i].op)) {
       FlagWord* flag = window.flags(signal->peer) + flag_index(signal->kind, rank, world);
       ops[count++] = write_value(address(&flag->tag), tag);
@@ -479,15 +363,12 @@ std::size_t CudaExecutor::Impl::enqueue_flag_ops(const std::vector<Step>& steps,
       ops[count++] = wait_geq(&flag->epoch, epoch);
       ops[count++] = wait_eq(&flag->tag, tag);
       record->flags.push_back({flag, wait->kind, wait->peer, steps[i].phase});
-    } else {
-      break;
     }
   }
   if (record) ops[count++] = mark(*record, /*passed=*/true);
   TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(count), ops.data(), 0));
   ++stats.mem_op_calls;
   if (record) watch(std::move(*record));
-  return i;
 }
 
 // Enqueues a group's sends and receives on the network stream after the compute stream's
