@@ -15,7 +15,8 @@ from . import _fsdp2
 
 TORCH_TO_TIDE = {torch.bfloat16: _tide.DType.bf16, torch.float16: _tide.DType.fp16,
                  torch.float32: _tide.DType.fp32}
-TIDE_TO_TORCH = {v: k for k, v in TORCH_TO_TIDE.items()}
+# u8: the bytes of an all-gather extension's inputs (_extension.py), viewed as their dtypes there.
+TIDE_TO_TORCH = {**{v: k for k, v in TORCH_TO_TIDE.items()}, _tide.DType.u8: torch.uint8}
 
 
 class DeviceBytes:
@@ -63,19 +64,24 @@ def _profiled(label, cuda: bool):
 
 
 class Bucket:
-    def __init__(self, bucket_id: int, path: str, param_group, group, layout, net, counts: Counts):
+    def __init__(self, bucket_id: int, path: str, param_group, group, layout, net, counts: Counts,
+                 gather=None):
         self.id, self.path, self.param_group, self.group = bucket_id, path, param_group, group
         self.fsdp_params = list(param_group.fsdp_params)
         self.index = {id(p): i for i, p in enumerate(self.fsdp_params)}
         self.layout, self.net, self.counts = layout, net, counts
+        # The all-gather's layout: the params' own, or with all-gather extensions the inputs'
+        # (an _extension.ExtensionGather); the reduce-scatter's is always the params'.
+        self.gather = gather
+        self.gather_layout = gather.layout if gather is not None else layout
         self.rank = group.rank()
-        self.ag_program = _tide.plan_all_gather(layout, self.rank, bucket_id, net)
+        self.ag_program = _tide.plan_all_gather(self.gather_layout, self.rank, bucket_id, net)
         # Across nodes the reduce-scatter stages partial sums after the bucket's window: a window
         # holds the larger of the two programs' windows (a subset's is never larger).
         self.window_bytes = max(self.ag_program.window_bytes,
                                 _tide.plan_reduce_scatter(layout, self.rank, _tide.ReduceOptions(),
                                                           bucket_id, net).window_bytes)
-        self.ag_bytes = sum(layout.world * p.slot_bytes for p in layout.params)
+        self.ag_bytes = sum(layout.world * p.slot_bytes for p in self.gather_layout.params)
         self.rs_programs: dict = {}
         self.pool = None
         self.range = None
@@ -95,7 +101,7 @@ class Bucket:
         # the param (FSDP2 views it with as_strided(storage_offset=0)); created once, never resized.
         if self.param_outputs:
             return
-        for p in self.layout.params:
+        for p in self.gather_layout.params:
             nbytes = self.layout.world * p.slot_bytes
             if self.cuda:
                 raw = torch.as_tensor(DeviceBytes(self.range.ptr + p.window_offset, nbytes),
@@ -104,6 +110,8 @@ class Bucket:
                 raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.range.ptr + p.window_offset),
                                        dtype=torch.uint8)
             self.param_outputs.append(raw.view(TIDE_TO_TORCH[p.dtype]))
+        if self.gather is not None:
+            self.gather.set_outputs(self.param_outputs)
 
     def _map_window(self) -> None:
         if self.mapped is self.window:
@@ -158,38 +166,50 @@ class Bucket:
                 self.window.use_on(stream)
                 self.window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
                 event = stream.record_event()
-            else:
-                self.window.executor.run(self.ag_program, [s.data_ptr() for s in self._shards(None)])
+            else:  # `shards` referenced until the program has read them (extension inputs are new tensors)
+                shards = self._shards(None)
+                self.window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
         self.counts.all_gathers += 1
         self.counts.all_gather_bytes += self.ag_bytes
-        return _fsdp2.all_gather_result(self.param_outputs[0], self.fsdp_params,
-                                        [p.shard_numel for p in self.layout.params], event)
+        if self.gather is not None:
+            numels, dtypes = self.gather.input_numels(), self.gather.input_dtypes()
+        else:
+            numels = [[p.shard_numel] for p in self.layout.params]
+            dtypes = [[TIDE_TO_TORCH[p.dtype]] for p in self.layout.params]
+        return _fsdp2.all_gather_result(self.param_outputs[0], numels, dtypes, event)
 
     def _shards(self, stream) -> list:
-        """Each param's padded shard as the all-gather reads it. With CPU offload on CUDA the
-        shards live in host memory: each goes to the device by a copy engine on the all-gather
-        stream (a shard-sized tensor, as stock FSDP2's own offload copy; no full-group buffer).
-        Allocated on that stream, so the allocator hands its memory out again only in that
-        stream's order, after the all-gather has read it."""
-        shards = []
-        for p, fp in zip(self.layout.params, self.fsdp_params):
-            data = fp._sharded_param_data
-            if data.dtype != TIDE_TO_TORCH[p.shard_dtype] or not data.is_contiguous():
-                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
-                                   f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
-                                   f"contiguous {TIDE_TO_TORCH[p.shard_dtype]}")
-            if stream is not None and data.device.type == "cpu" and fp.offload_to_cpu:
-                data = data.to(self.pool.device, non_blocking=data.is_pinned())
-            if data.device.type != self.pool.device.type:
-                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
-                                   f"on {data.device}, expected {self.pool.device}")
-            shards.append(data)
-        return shards
+        """What the all-gather program reads: each param's padded shard, or with all-gather
+        extensions each param's all-gather inputs (_extension.py)."""
+        if self.gather is not None:
+            return self.gather.shards(self.fsdp_params, lambda i, j: self._shard(i, j, stream))
+        return [self._shard(i, i, stream) for i in range(len(self.fsdp_params))]
+
+    def _shard(self, i: int, j: int, stream) -> torch.Tensor:
+        """Param i's padded shard as the all-gather reads it (for gather layout param j). With CPU
+        offload on CUDA the shards live in host memory: each goes to the device by a copy engine on
+        the all-gather stream (a shard-sized tensor, as stock FSDP2's own offload copy; no
+        full-group buffer). Allocated on that stream, so the allocator hands its memory out again
+        only in that stream's order, after the all-gather has read it."""
+        p, fp = self.gather_layout.params[j], self.fsdp_params[i]
+        data = fp._sharded_param_data
+        if data.dtype != TIDE_TO_TORCH[p.shard_dtype] or not data.is_contiguous():
+            raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
+                               f"{data.dtype}, contiguous={data.is_contiguous()}; expected "
+                               f"contiguous {TIDE_TO_TORCH[p.shard_dtype]}")
+        if stream is not None and data.device.type == "cpu" and fp.offload_to_cpu:
+            data = data.to(self.pool.device, non_blocking=data.is_pinned())
+        if data.device.type != self.pool.device.type:
+            raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
+                               f"on {data.device}, expected {self.pool.device}")
+        return data
 
     def owns(self, all_gather_result) -> bool:
         return bool(self.param_outputs) and all_gather_result.all_gather_output is self.param_outputs[0]
 
     def copy_out(self) -> None:
+        if self.gather is not None:
+            return self.gather.copy_out(self.fsdp_params)
         for fp, out in zip(self.fsdp_params, self.param_outputs):
             if not fp.all_gather_outputs or fp.all_gather_outputs[0] is not out:
                 fp.all_gather_outputs = [out]

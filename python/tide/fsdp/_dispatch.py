@@ -93,6 +93,9 @@ def _reduce_fallback_reason(fsdp_params, grads, call) -> str:
     comm = call.get("reduce_scatter_comm")
     if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
         return f"a custom reduce-scatter comm ({type(comm).__name__})"
+    subclasses = sorted({type(g).__name__ for g in grads if type(g) is not torch.Tensor})
+    if subclasses:  # e.g. an all-gather extension whose unsharded param is a subclass (TwoTensor)
+        return f"gradients are tensor subclasses ({', '.join(subclasses)}), not plain tensors"
     grad_dtypes = {g.dtype for g in grads}
     if len(grad_dtypes) != 1:
         return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"

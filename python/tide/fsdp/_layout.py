@@ -121,8 +121,10 @@ def layout_for(bucket):
 
 def _reachable(bucket) -> bool:
     """Whether the version's layout hook can take this bucket's all-gather (not for a module with
-    several param groups: the setter would be ambiguous)."""
-    return _fsdp2.has_all_gather_layout() and _fsdp2.layout_owner(bucket.param_group) is not None
+    several param groups: the setter would be ambiguous; not with all-gather extensions, which
+    the hook's layouts exclude: those keep TIDE's function hooks)."""
+    return (_fsdp2.has_all_gather_layout() and _fsdp2.layout_owner(bucket.param_group) is not None
+            and bucket.gather is None)
 
 
 def replacements_for(buckets) -> dict:
