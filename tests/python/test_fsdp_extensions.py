@@ -101,8 +101,8 @@ def _summary(handle, ops) -> dict:
             "ops": dict(ops), "extension_buckets": sum(b.gather is not None for b in handle.buckets)}
 
 
-def _with_tide(model, train):
-    handle = tide.fsdp.enable(model, timeout_ms=60000)
+def _with_tide(model, train, **kwargs):
+    handle = tide.fsdp.enable(model, timeout_ms=60000, **kwargs)
     try:
         params, ops = train(model)
     finally:
@@ -114,11 +114,15 @@ def _equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def scenario_float8(precompute: bool, only_float8_groups: bool = False) -> dict:
+def scenario_float8(precompute: bool, only_float8_groups: bool = False, ranks_per_node=None) -> dict:
     def train(m):
         return train_float8(m, precompute)
-    on, tide_on = _with_tide(build_float8(True, only_float8_groups), train)
-    off, tide_off = _with_tide(build_float8(False, only_float8_groups), train)
+    nodes = {}
+    if ranks_per_node:  # virtual nodes: TIDE's across-node programs, small network chunks
+        nodes = {"ranks_per_node": ranks_per_node,
+                 "net": tide.NetOptions(chunk_bytes=256, max_chunks_in_flight=2, ring_depth=2)}
+    on, tide_on = _with_tide(build_float8(True, only_float8_groups), train, **nodes)
+    off, tide_off = _with_tide(build_float8(False, only_float8_groups), train, **nodes)
     stock_off, _ = train(build_float8(False, only_float8_groups))
     return {"tide": tide_on, "tide_off": tide_off, "vs_tide_off": _equal(on, off),
             "vs_stock_off": _equal(on, stock_off)}
@@ -317,6 +321,7 @@ SCENARIOS = {
     "float8_dynamic": (lambda: scenario_float8(False), (2, 3), True),
     "float8_precomputed": (lambda: scenario_float8(True), (2, 3), True),
     "float8_only_groups": (lambda: scenario_float8(False, only_float8_groups=True), (2,), True),
+    "float8_virtual_nodes": (lambda: scenario_float8(True, ranks_per_node=2), (4,), True),
     "nf4": (scenario_nf4, (2,), True),
     "split_v1": (lambda: scenario_split(1), (2,), False),
     "split_v2": (lambda: scenario_split(2), (2,), False),
@@ -387,6 +392,15 @@ def test_float8_groups_of_float8_weights_alone():
         assert "error" not in r, f"rank {rank}: {r}"
         _assert_handled(r, groups=5, extension_groups=2)
         assert r["vs_tide_off"] and r["vs_stock_off"], f"rank {rank}: {r}"
+
+
+@needs_torchao
+def test_float8_across_virtual_nodes():
+    """W = 4 as 2 nodes of 2: the fp8 bytes go through TIDE's across-node all-gather."""
+    for rank, r in enumerate(results(4)["float8_virtual_nodes"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=3, extension_groups=2)
+        assert r["vs_tide_off"], f"rank {rank}: fp8 all-gather on differs from off (both TIDE)"
 
 
 @needs_torchao
