@@ -130,17 +130,26 @@ def scenario_float8(precompute: bool, only_float8_groups: bool = False, ranks_pe
 
 # --- torchao NF4 (QLoRA) ----------------------------------------------------------------------------
 
+def _nf4():
+    """torchao's (to_nf4, linear_nf4): moved in torchao 0.18."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+    except ImportError:  # torchao <= 0.17
+        from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
+    return to_nf4, linear_nf4
+
+
 class QLoRALinear(nn.Module):
     def __init__(self, dim: int, rank: int = 4):
         super().__init__()
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        to_nf4, _ = _nf4()
         weight = (dim ** -0.5 * torch.randn(dim, dim)).to(torch.bfloat16)
         self.weight = nn.Parameter(to_nf4(weight, block_size=64, scaler_block_size=256), requires_grad=False)
         self.lora_a = nn.Parameter(0.1 * torch.randn(rank, dim))
         self.lora_b = nn.Parameter(0.1 * torch.randn(dim, rank))
 
     def forward(self, x):
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+        _, linear_nf4 = _nf4()
         return linear_nf4(x.bfloat16(), self.weight).float() + x @ self.lora_a.T @ self.lora_b.T
 
 
