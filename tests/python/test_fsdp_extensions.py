@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_harness as h
 import tide.fsdp
@@ -67,7 +67,7 @@ class Float8Model(nn.Module):
         return self.out(x)
 
 
-def build_float8(fp8_all_gather: bool, only_float8_groups: bool = False):
+def build_float8(fp8_all_gather: bool, only_float8_groups: bool = False, **fsdp_kwargs):
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     torch.manual_seed(0)
     model = Float8Model()
@@ -75,9 +75,9 @@ def build_float8(fp8_all_gather: bool, only_float8_groups: bool = False):
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn not in ("inp", "out"))
     for b in model.blocks:
         if only_float8_groups:  # a group of float8 weights alone: all-gathered as fp8
-            fully_shard([b.up, b.down])
-        fully_shard(b)
-    fully_shard(model)
+            fully_shard([b.up, b.down], **fsdp_kwargs)
+        fully_shard(b, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
     return model
 
 
@@ -326,11 +326,25 @@ def scenario_two_tensor() -> dict:
     return {"tide": summary, "vs_stock": _equal(mine, stock)}
 
 
+def scenario_float8_stock_on(**fsdp_kwargs) -> dict:
+    """TIDE against stock FSDP2 both with fp8 all-gather on (every group mixes float8 weights with
+    plain params, so stock gathers uint8, which gloo carries)."""
+    def train(m):
+        return train_float8(m, False)
+    on, tide_on = _with_tide(build_float8(True, **fsdp_kwargs), train)
+    stock_on, _ = train(build_float8(True, **fsdp_kwargs))
+    return {"tide": tide_on, "vs_stock_on": _equal(on, stock_on)}
+
+
 SCENARIOS = {
     "float8_dynamic": (lambda: scenario_float8(False), (2, 3), True),
     "float8_precomputed": (lambda: scenario_float8(True), (2, 3), True),
     "float8_only_groups": (lambda: scenario_float8(False, only_float8_groups=True), (2,), True),
     "float8_virtual_nodes": (lambda: scenario_float8(True, ranks_per_node=2), (4,), True),
+    # torchtitan's usual float8 setting: bf16 params, fp32 reduce
+    "float8_bf16": (lambda: scenario_float8_stock_on(mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), (2,), True),
+    "float8_no_reshard": (lambda: scenario_float8_stock_on(reshard_after_forward=False), (2,), True),
     "nf4": (scenario_nf4, (2,), True),
     "split_v1": (lambda: scenario_split(1), (2,), False),
     "split_v2": (lambda: scenario_split(2), (2,), False),
@@ -401,6 +415,17 @@ def test_float8_groups_of_float8_weights_alone():
         assert "error" not in r, f"rank {rank}: {r}"
         _assert_handled(r, groups=5, extension_groups=2)
         assert r["vs_tide_off"] and r["vs_stock_off"], f"rank {rank}: {r}"
+
+
+@needs_torchao
+@pytest.mark.parametrize("case", ["bf16", "no_reshard"])
+def test_float8_matches_stock_with_fp8_all_gather_on(case):
+    """bf16 params (fp32 reduce) and reshard_after_forward=False: bitwise equal to stock FSDP2
+    with fp8 all-gather on (W = 2)."""
+    for rank, r in enumerate(results(2)[f"float8_{case}"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=3, extension_groups=2)
+        assert r["vs_stock_on"], f"rank {rank}: differs from stock FSDP2 with fp8 all-gather on"
 
 
 @needs_torchao

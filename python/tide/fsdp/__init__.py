@@ -17,7 +17,8 @@ What changes for a handled FSDP2 param group ("bucket"):
 
 The modules, by role: ``_fsdp2`` (every private FSDP2 symbol: the version adapter), ``_hooks``
 (how TIDE hooks FSDP2's functions), ``_dispatch`` (TIDE's versions of them), ``_bucket`` (one
-handled param group), ``_pool`` (pooled windows), ``_placement`` (nodes and transports),
+handled param group), ``_extension`` (a group's all-gather extension inputs: fsdp_pre_all_gather
+tensors laid out as bytes), ``_pool`` (pooled windows), ``_placement`` (nodes and transports),
 ``_agreement`` (ranks agreeing through the store). docs/ARCHITECTURE.md has the design.
 """
 
