@@ -59,6 +59,10 @@ if ((${#missing[@]})); then
     stop "pip could not install ${missing[*]}" "$PY -m pip install ${missing[*]}"
   hash -r
 fi
+# torchao: optional (the float8 and NF4 extension tests skip without it); one ~3 MB wheel, no
+# dependencies. A failed install (no network) does not stop the tests.
+"$PY" -c "import torchao" 2>/dev/null || "$PY" -m pip install -q "torchao>=0.17" 2>/dev/null ||
+  echo "   torchao not installed (pip failed): the float8 and NF4 extension tests skip"
 "$PY" -c "import torch; print('   torch', torch.__version__)"
 
 echo "== C++: configure, build, ctest"

@@ -88,7 +88,8 @@ NB_MODULE(_tide, m) {
   nb::enum_<DType>(m, "DType")
       .value("bf16", DType::kBF16)
       .value("fp16", DType::kFP16)
-      .value("fp32", DType::kFP32);
+      .value("fp32", DType::kFP32)
+      .value("u8", DType::kU8);
   m.def("dtype_size", &dtype_size);
   m.def("parse_dtype", [](const std::string& s) { return parse_dtype(s); });
 

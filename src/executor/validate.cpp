@@ -19,7 +19,7 @@ std::chrono::milliseconds default_timeout() {
 
 namespace {
 
-bool known_dtype(DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DType::kFP32; }
+bool known_dtype(DType d) { return is_float(d) || d == DType::kU8; }
 
 // CHECK(cond, argument, value, expected): in the fast pass (kExplain false) a failed condition only
 // returns false, and the message's operands are not even compiled; the explaining pass throws the
@@ -84,8 +84,18 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
     return true;
   };
   auto check_dtype = [&](std::size_t i, const char* what, DType d) -> bool {
-    CHECK(known_dtype(d), detail::concat("steps[", i, "].", what), static_cast<int>(d),
+    CHECK(is_float(d), detail::concat("steps[", i, "].", what), static_cast<int>(d),
           "bf16, fp16 or fp32");
+    return true;
+  };
+  // A cast's types: floats, or u8 bytes copied as they are (u8 to u8, never to or from a float).
+  auto check_cast_dtypes = [&](std::size_t i, DType src, DType dst) -> bool {
+    CHECK(known_dtype(src), detail::concat("steps[", i, "].src_dtype"), static_cast<int>(src),
+          "bf16, fp16, fp32 or u8");
+    CHECK(known_dtype(dst), detail::concat("steps[", i, "].dst_dtype"), static_cast<int>(dst),
+          "bf16, fp16, fp32 or u8");
+    CHECK(is_float(src) == is_float(dst), detail::concat("steps[", i, "].dst_dtype"), dtype_name(dst),
+          detail::concat(is_float(src) ? "a float" : "u8", " for a ", dtype_name(src), " source"));
     return true;
   };
   auto check_peer = [&](std::size_t i, int peer, FlagKind kind) -> bool {
@@ -104,8 +114,7 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
           "an operation");
     if (const auto* cast = std::get_if<CastOp>(&step.op)) {
       if (!check_count(i, "count", cast->count) || !check_count(i, "pad", cast->pad) ||
-          !check_count(i, "rows", cast->rows) || !check_dtype(i, "src_dtype", cast->src_dtype) ||
-          !check_dtype(i, "dst_dtype", cast->dst_dtype))
+          !check_count(i, "rows", cast->rows) || !check_cast_dtypes(i, cast->src_dtype, cast->dst_dtype))
         return false;
       CHECK(cast->dst.space == Space::kWindow, detail::concat("steps[", i, "].dst"),
             "an input or output", "a window (own, or a peer's with Delivery::kCastToPeers)");

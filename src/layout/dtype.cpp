@@ -14,9 +14,14 @@ std::size_t dtype_size(DType dtype) {
     case DType::kBF16:
     case DType::kFP16: return 2;
     case DType::kFP32: return 4;
+    case DType::kU8: return 1;
   }
   throw InvalidArgument(detail::concat("dtype_size: dtype = ", static_cast<int>(dtype),
-                                       ", expected bf16, fp16 or fp32"));
+                                       ", expected bf16, fp16, fp32 or u8"));
+}
+
+bool is_float(DType dtype) {
+  return dtype == DType::kBF16 || dtype == DType::kFP16 || dtype == DType::kFP32;
 }
 
 const char* dtype_name(DType dtype) {
@@ -24,6 +29,7 @@ const char* dtype_name(DType dtype) {
     case DType::kBF16: return "bf16";
     case DType::kFP16: return "fp16";
     case DType::kFP32: return "fp32";
+    case DType::kU8: return "u8";
   }
   return "invalid";
 }
@@ -32,8 +38,9 @@ DType parse_dtype(std::string_view name) {
   if (name == "bf16" || name == "bfloat16") return DType::kBF16;
   if (name == "fp16" || name == "float16" || name == "half") return DType::kFP16;
   if (name == "fp32" || name == "float32" || name == "float") return DType::kFP32;
+  if (name == "u8" || name == "uint8" || name == "bytes") return DType::kU8;
   throw InvalidArgument(detail::concat("parse_dtype: name = '", std::string(name),
-                                       "', expected one of bf16, fp16, fp32"));
+                                       "', expected one of bf16, fp16, fp32, u8"));
 }
 
 static uint32_t bits_of(float f) {
@@ -88,8 +95,10 @@ float load_as_float(const void* base, DType dtype, std::size_t index) {
     case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
     case DType::kFP16: return fp16_to_float(static_cast<const uint16_t*>(base)[index]);
     case DType::kFP32: return static_cast<const float*>(base)[index];
+    case DType::kU8: break;
   }
-  return 0.0f;
+  throw InvalidArgument(detail::concat("load_as_float: dtype = ", dtype_name(dtype),
+                                       ", expected bf16, fp16 or fp32 (u8 bytes are not numbers)"));
 }
 
 void store_from_float(void* base, DType dtype, std::size_t index, float value) {
@@ -97,7 +106,10 @@ void store_from_float(void* base, DType dtype, std::size_t index, float value) {
     case DType::kBF16: static_cast<uint16_t*>(base)[index] = float_to_bf16(value); return;
     case DType::kFP16: static_cast<uint16_t*>(base)[index] = float_to_fp16(value); return;
     case DType::kFP32: static_cast<float*>(base)[index] = value; return;
+    case DType::kU8: break;
   }
+  throw InvalidArgument(detail::concat("store_from_float: dtype = ", dtype_name(dtype),
+                                       ", expected bf16, fp16 or fp32 (u8 bytes are not numbers)"));
 }
 
 }  // namespace tide

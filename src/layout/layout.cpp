@@ -64,11 +64,16 @@ BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std:
                      shape_string(spec.shape), "fewer than 2^40 elements");
       product *= spec.shape[k];
     }
-    auto known = [](DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DType::kFP32; };
+    auto known = [](DType d) { return is_float(d) || d == DType::kU8; };
     TIDE_CHECK_ARG(known(spec.dtype), where, "dtype", static_cast<int>(spec.dtype),
-                   "bf16, fp16 or fp32");
+                   "bf16, fp16, fp32 or u8");
     TIDE_CHECK_ARG(known(spec.shard_dtype), where, "shard_dtype", static_cast<int>(spec.shard_dtype),
-                   "bf16, fp16 or fp32");
+                   "bf16, fp16, fp32 or u8");
+    // Bytes are copied, never cast: a u8 param's shard is u8 too (and a float's is a float).
+    TIDE_CHECK_ARG(is_float(spec.dtype) == is_float(spec.shard_dtype), where, "shard_dtype",
+                   dtype_name(spec.shard_dtype),
+                   detail::concat(spec.dtype == DType::kU8 ? "u8" : "bf16, fp16 or fp32",
+                                  " for a ", dtype_name(spec.dtype), " param"));
     ParamLayout p;
     p.name = spec.name;
     p.shape = spec.shape;

@@ -150,11 +150,14 @@ void check_reduce_options(const BucketLayout& layout, const ReduceOptions& optio
                  options.prescale, "a finite number");
   TIDE_CHECK_ARG(std::isfinite(options.postscale), "plan_reduce_scatter", "options.postscale",
                  options.postscale, "a finite number");
-  for (const ParamLayout& p : layout.params())
+  for (const ParamLayout& p : layout.params()) {
+    TIDE_CHECK_ARG(is_float(p.dtype), "plan_reduce_scatter", detail::concat("param '", p.name, "' dtype"),
+                   dtype_name(p.dtype), "bf16, fp16 or fp32 (u8 bytes are gathered, never reduced)");
     TIDE_CHECK_ARG(p.shard_dtype == DType::kFP32 || p.shard_dtype == p.dtype,
                    "plan_reduce_scatter", detail::concat("param '", p.name, "' shard_dtype"),
                    dtype_name(p.shard_dtype),
                    detail::concat("fp32 or the param's dtype ", dtype_name(p.dtype)));
+  }
 }
 
 Program plan_all_gather_one_node(const BucketLayout& layout, int rank, uint32_t bucket,

@@ -42,6 +42,16 @@ TEST(DType, SizesNamesAndParsing) {
   }
 }
 
+TEST(DType, U8IsBytesNotNumbers) {
+  EXPECT_EQ(dtype_size(DType::kU8), 1u);
+  EXPECT_EQ(parse_dtype(dtype_name(DType::kU8)), DType::kU8);
+  EXPECT_EQ(parse_dtype("uint8"), DType::kU8);
+  EXPECT_FALSE(is_float(DType::kU8));
+  for (DType d : {DType::kBF16, DType::kFP16, DType::kFP32}) EXPECT_TRUE(is_float(d));
+  const uint8_t bytes[2] = {1, 2};
+  EXPECT_THROW(load_as_float(bytes, DType::kU8, 0), InvalidArgument);
+}
+
 TEST(DType, Bf16RoundsToNearestEven) {
   std::mt19937 rng(1);
   for (int n = 0; n < 200000; ++n) {

@@ -12,6 +12,30 @@ namespace {
 
 using test::plan_all;  // pushed unless told otherwise
 
+// u8 params (FSDP2 all-gather extensions' inputs: fp8, packed data): gathered as bytes, copied
+// and never cast; a u8 param with a float shard, and any reduce-scatter of u8, are refused.
+TEST(Plan, U8ParamsAreGatheredAsBytesAndNeverReduced) {
+  for (int world : {2, 3, 4}) {
+    BucketLayout layout({ParamSpec{"fp8_data", {world * 96}, DType::kU8, DType::kU8},
+                         ParamSpec{"norm", {10, 3}, DType::kBF16, DType::kFP32},
+                         ParamSpec{"scale", {world * 4}, DType::kU8, DType::kU8}},
+                        Topology::single_node(world));
+    for (const Delivery delivery : {Delivery::kPush, Delivery::kCastToPeers}) {
+      const std::vector<Program> programs = plan_all(layout, Collective::kAllGather, {}, delivery);
+      ASSERT_NO_THROW(verify_programs(layout, programs)) << delivery_name(delivery);
+      for (const Program& program : programs)
+        for (const Step& step : program.steps)
+          if (const auto* cast = std::get_if<CastOp>(&step.op))
+            EXPECT_EQ(cast->src_dtype == DType::kU8, cast->dst_dtype == DType::kU8);
+    }
+    EXPECT_THROW(plan_reduce_scatter(layout, 0, {}, 5), InvalidArgument);
+  }
+  EXPECT_THROW(BucketLayout({ParamSpec{"x", {8}, DType::kU8, DType::kFP32}}, Topology::single_node(2)),
+               InvalidArgument);
+  EXPECT_THROW(BucketLayout({ParamSpec{"x", {8}, DType::kBF16, DType::kU8}}, Topology::single_node(2)),
+               InvalidArgument);
+}
+
 class PlanProperty : public ::testing::TestWithParam<int> {};
 
 TEST_P(PlanProperty, ThousandRandomBucketsVerify) {

@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--experts-as-modules", action="store_true",
                    help="MoE models: each expert a module of three nn.Linear, as Hugging Face MoE "
                         "models keep them (a layer's experts group then holds 3 x experts params)")
+    f.add_argument("--float8", action="store_true",
+                   help="train the layers' linears in float8 (torchao): TIDE with fp8 all-gather on, "
+                        "stock FSDP2 with it off (the reference); Llama models")
     f.add_argument("--steps", type=_positive("steps"), default=5)
     f.add_argument("--warmup", type=int, default=1)
     f.add_argument("--batch", type=_positive("batch"), default=4)
@@ -134,6 +137,8 @@ def _fsdp(args, parser, device) -> int:
     except ValueError as e:
         parser.error(f"--model {model_name}: {e}")
     _check_expert_sharding(args, parser, model_name, cfg)
+    if args.float8:
+        _check_float8(args, parser, model_name, cfg)
     if not under_torchrun():
         _refuse_fallback_configuration(args, parser, device)
     _require_matplotlib(args, parser)
@@ -142,7 +147,7 @@ def _fsdp(args, parser, device) -> int:
             "ranks_per_node": args.ranks_per_node, "chunk_bytes": args.chunk_mib * MIB,
             "wire_dtype": args.wire_dtype,
             "network": args.network, "expert_shard_dim": args.expert_shard_dim,
-            "seq": args.seq, "progress": not args.no_progress}
+            "seq": args.seq, "progress": not args.no_progress, "float8": args.float8}
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
           f"mp {mp}, {args.world} ranks", file=sys.stderr)
     stock = _launch(args, device, run_mode, "stock", cfg, opts)
@@ -156,7 +161,8 @@ def _fsdp(args, parser, device) -> int:
         out["layout_copy_mib"] = runs[0]["layout_copy_bytes"] / MIB
         out["shard_dim_copy_mib"] = runs[0]["shard_dim_copy_bytes"] / MIB
         for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_fallback_groups",
-                  "param_groups", "ranks_share_gpus"):
+                  "param_groups", "ranks_share_gpus", "tide_step_all_gather_bytes", "tide_gather_bytes",
+                  "tide_param_bytes", "tide_extension_groups"):
             out[k] = runs[0][k]
         out["tide_window_mib"] = max(r["tide_window_mib"] for r in runs)
         pss = [r.get("peak_pss_mib") for r in runs]
@@ -167,18 +173,43 @@ def _fsdp(args, parser, device) -> int:
 
     summary = {"model": model_name, "family": cfg.family, "config": cfg.as_dict(), "params": cfg.params(),
                "expert_shard_dim": args.expert_shard_dim, "world": len(stock), "device": device,
-               "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
+               "mp": mp, "float8": args.float8, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
                "ranks_per_node": args.ranks_per_node, "network": args.network,
                "chunk_mib": args.chunk_mib, "wire_dtype": args.wire_dtype,
                "stock": merged(stock), "tide": merged(tide_runs),
                "max_abs_diff": compare(stock, tide_runs), "torch": torch.__version__}
     print(report.fsdp_table(summary))
+    if args.float8:
+        t = summary["tide"]
+        print(f"float8 (torchao, fp8 all-gather on under TIDE, off under stock): TIDE handled "
+              f"{t['tide_buckets']}/{t['param_groups']} groups, {t['tide_extension_groups']} with float8 "
+              f"weights; one all-gather of every group: {t['tide_gather_bytes'] / MIB:.2f} MiB as gathered "
+              f"vs {t['tide_param_bytes'] / MIB:.2f} MiB in the params' {mp} "
+              f"({t['tide_gather_bytes'] / max(t['tide_param_bytes'], 1):.2f}x); all-gather bytes in one "
+              f"step {t['tide_step_all_gather_bytes'] / MIB:.2f} MiB; layout copies "
+              f"{t['layout_copy_mib']:.2f} MiB; max |TIDE fp8 on - stock fp8 off| = {summary['max_abs_diff']:.3g}")
     if args.json:
         report.write_json(args.json, summary)
     if args.plot_dir:
         for path in report.fsdp_plots(summary, args.plot_dir):
             print(f"plot: {path}")
     return 0
+
+
+def _check_float8(args, parser, model_name, cfg) -> None:
+    if cfg.family != "llama":
+        parser.error(f"--float8: model {model_name} is not a Llama model (the float8 presets: tiny, cpu, "
+                     "8b-layers, 70b-layers)")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        parser.error("--float8 needs torchao (pip install torchao; float8 training is pure Python)")
+    # torchao's float8 weights all-gather their local shard unpadded: every rank's must be as large.
+    rows = {"dim": cfg.dim, "hidden": cfg.hidden, "kv_heads x head_dim": cfg.kv_heads * (cfg.dim // cfg.heads)}
+    for name, n in rows.items():
+        if n % args.world:
+            parser.error(f"--float8: {model_name}'s {name} {n} is not divisible by --world {args.world} "
+                         "(torchao's fp8 all-gather needs even shards)")
 
 
 def _check_expert_sharding(args, parser, model_name, cfg) -> None:

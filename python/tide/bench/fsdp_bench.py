@@ -174,12 +174,24 @@ class PssSampler:
         self.sample()
 
 
-def _build(cfg, device: str, mp: str, world: int, expert_shard_dim: int = 0):
+def float8_linear(module, fqn: str) -> bool:
+    """The linears --float8 converts (as torchtitan's float8 converter: the layers' projections,
+    not the output head; torchao's float8 matmul needs both dims multiples of 16)."""
+    return (fqn.startswith("layers.") and isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def _build(cfg, device: str, mp: str, world: int, expert_shard_dim: int = 0, fp8_all_gather=None):
     """cfg.build() on `device`, fully_shard on each of the model's FSDP units (inner first: its
-    layers, and an MoE's experts with their shard placement), then on the root."""
+    layers, and an MoE's experts with their shard placement), then on the root. fp8_all_gather not
+    None: the layers' linears trained in float8 by torchao, their weights all-gathered as fp8 or not."""
     torch.manual_seed(0)
     with torch.device(device):
         model = cfg.build()
+    if fp8_all_gather is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, module_filter_fn=float8_linear,
+                                   config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mp == "bf16" else MixedPrecisionPolicy())
     mesh = None
@@ -216,7 +228,9 @@ def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
 
 
 def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> dict:
-    model = _build(cfg, device, opts["mp"], world, opts.get("expert_shard_dim", 0))
+    # --float8: stock trains with fp8 all-gather off (the reference: gloo has no fp8), TIDE with it on.
+    fp8_all_gather = (mode == "tide") if opts.get("float8") else None
+    model = _build(cfg, device, opts["mp"], world, opts.get("expert_shard_dim", 0), fp8_all_gather)
     handle = None
     if mode == "tide":
         import tide.fsdp
@@ -246,8 +260,11 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
 
     # One counted step (the dispatch mode sees every op, which slows the step: it is not timed).
     counter = LayoutCopyCounter()
+    if handle is not None:
+        handle.reset_counts()
     with counter:
         one_step()
+    step_counts = handle.counts() if handle is not None else None
     sm_cta_us = None  # TIDE's kernels' SM time in one step (CUDA); NCCL's cannot be timed from here
     if device == "cuda":  # both modes take this step: their parameters must see the same updates
         if handle is not None:
@@ -289,6 +306,14 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
         "tide_fallback_groups": [[path, reason] for path, reason in handle.fallbacks] if handle else [],
         "param_groups": _group_count(model),
         "tide_window_mib": handle.pool_bytes() / 2**20 if handle else 0.0,
+        # TIDE's all-gathers in the counted step, and one all-gather of every handled group: as
+        # gathered (fp8 bytes for float8 weights with fp8 all-gather on) and in the params' own
+        # communication dtype (what the same groups would gather without all-gather extensions).
+        "tide_step_all_gather_bytes": step_counts["all_gather_bytes"] if step_counts else 0,
+        "tide_gather_bytes": sum(b.ag_bytes for b in handle.buckets) if handle else 0,
+        "tide_param_bytes": sum(b.layout.world * p.slot_bytes for b in handle.buckets
+                                for p in b.layout.params) if handle else 0,
+        "tide_extension_groups": sum(b.gather is not None for b in handle.buckets) if handle else 0,
         "params": params,
     }
     return result

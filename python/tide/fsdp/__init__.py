@@ -17,8 +17,9 @@ What changes for a handled FSDP2 param group ("bucket"):
 
 The modules, by role: ``_fsdp2`` (every private FSDP2 symbol: the version adapter), ``_hooks``
 (how TIDE hooks FSDP2's functions), ``_dispatch`` (TIDE's versions of them), ``_fallbacks`` (why a
-group or call stays stock), ``_bucket`` (one
-handled param group), ``_pool`` (pooled windows), ``_placement`` (nodes and transports),
+group or call stays stock), ``_bucket`` (one handled param group), ``_extension`` (a group's
+all-gather extension inputs: fsdp_pre_all_gather tensors laid out as bytes), ``_pool`` (pooled
+windows), ``_placement`` (nodes and transports),
 ``_agreement`` (ranks agreeing through the store). docs/ARCHITECTURE.md has the design.
 """
 
@@ -33,6 +34,7 @@ from .. import _tide
 from . import _dispatch, _fallbacks, _fsdp2, _hooks
 from ._agreement import check_agreement
 from ._bucket import TORCH_TO_TIDE, Bucket, Counts
+from ._extension import ExtensionGather, uses_extension
 from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
 from ._pool import WindowPool, size_classes
 
@@ -108,11 +110,13 @@ def _specs(param_group, param_name) -> list:
             for i, fp in enumerate(param_group.fsdp_params) if _fsdp2.has_bytes(fp)]
 
 
-def _identity(path: str, param_group, reason: str, param_name) -> list:
+def _identity(path: str, param_group, reason: str, param_name, gather) -> list:
     """What every rank of the group must agree on about one param group: its place in the FSDP
-    tree, its params' names, shapes, dtypes and shard dims, and whether TIDE takes it."""
+    tree, its params' names, shapes, dtypes and shard dims, its all-gather extensions' inputs, and
+    whether TIDE takes it."""
+    inputs = gather.describe() if gather is not None else [None] * len(param_group.fsdp_params)
     params = [[param_name(fp, i), list(_fsdp2.unsharded_shape(fp)), str(_fsdp2.dtypes(fp, param_group)[0]),
-               str(_fsdp2.dtypes(fp, param_group)[1]), fp.fsdp_placement.dim]
+               str(_fsdp2.dtypes(fp, param_group)[1]), fp.fsdp_placement.dim, inputs[i]]
               for i, fp in enumerate(param_group.fsdp_params)]
     return [path, params, reason]
 
@@ -170,7 +174,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
 
     # 1. What the model alone decides, agreed by every rank of each process group.
     param_name = _fsdp2.param_names(module)
-    decided = []  # (bucket id, path, param group, process group, topology, reason)
+    decided = []  # (bucket id, path, param group, process group, topology, gather, reason)
     by_group: dict = {}  # group ranks -> (process group, identities in module order)
     for bucket_id, (path, pg) in enumerate(groups):
         group = _fsdp2.process_group(pg)
@@ -180,10 +184,12 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             topology, reason = topology_for(dist.get_process_group_ranks(group), ranks_per_node)
             if not reason and topology.nodes > 1:
                 reason = _fallbacks.multi_node_reason(pg, param_name)
-        decided.append((bucket_id, path, pg, group, topology, reason))
+        # All-gather extensions: their inputs' layout (fsdp_pre_all_gather runs once here).
+        gather = ExtensionGather(pg, param_name, topology) if not reason and uses_extension(pg) else None
+        decided.append((bucket_id, path, pg, group, topology, gather, reason))
         if group is not None and group.size() > 1:
             key = tuple(dist.get_process_group_ranks(group))
-            by_group.setdefault(key, (group, []))[1].append(_identity(path, pg, reason, param_name))
+            by_group.setdefault(key, (group, []))[1].append(_identity(path, pg, reason, param_name, gather))
     options = {"ranks_per_node": ranks_per_node, "network": network,
                "net": {k: str(getattr(net, k)) for k in NET_OPTION_FIELDS}}
     rounds = {ranks: check_agreement(group, options, identities, wait_ms)
@@ -193,7 +199,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     where: dict = {}
     result = TideFSDP()
     by_ranks: dict = {}  # (group ranks, device) -> [(bucket, transport)]
-    for bucket_id, path, pg, group, topology, reason in decided:
+    for bucket_id, path, pg, group, topology, gather, reason in decided:
         transport = None
         if not reason:
             key = (tuple(dist.get_process_group_ranks(group)), pg.device.type)
@@ -205,7 +211,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             log.warning("tide.fsdp: param group %s falls back to stock FSDP2: %s", path, reason)
             continue
         layout = _tide.BucketLayout(_specs(pg, param_name), topology)
-        bucket = Bucket(bucket_id, path, pg, group, layout, net, result._counts)
+        bucket = Bucket(bucket_id, path, pg, group, layout, net, result._counts, gather)
         # FSDP2 may give each param group its own process-group object over the same ranks; TIDE
         # talks through windows, not the group, so those buckets share pools.
         by_ranks.setdefault((tuple(dist.get_process_group_ranks(group)), str(pg.device)), []).append(

@@ -112,7 +112,8 @@ def _difference(a, b) -> str:
 def _param(p) -> str:
     if p is None:
         return "none"
-    return f"{p[0]} {p[1]} {p[2]}/{p[3]}" + (f" sharded on dim {p[4]}" if p[4] else "")
+    return (f"{p[0]} {p[1]} {p[2]}/{p[3]}" + (f" sharded on dim {p[4]}" if p[4] else "")
+            + (f" with all-gather inputs {p[5]} (dtype, numel)" if p[5] else ""))
 
 
 def _decision(reason: str) -> str:

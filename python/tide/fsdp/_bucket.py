@@ -16,7 +16,8 @@ from . import _fsdp2
 
 TORCH_TO_TIDE = {torch.bfloat16: _tide.DType.bf16, torch.float16: _tide.DType.fp16,
                  torch.float32: _tide.DType.fp32}
-TIDE_TO_TORCH = {v: k for k, v in TORCH_TO_TIDE.items()}
+# u8: the bytes of an all-gather extension's inputs (_extension.py), viewed as their dtypes there.
+TIDE_TO_TORCH = {**{v: k for k, v in TORCH_TO_TIDE.items()}, _tide.DType.u8: torch.uint8}
 
 
 class DeviceBytes:
@@ -64,7 +65,8 @@ def _profiled(label, cuda: bool):
 
 
 class Bucket:
-    def __init__(self, bucket_id: int, path: str, param_group, group, layout, net, counts: Counts):
+    def __init__(self, bucket_id: int, path: str, param_group, group, layout, net, counts: Counts,
+                 gather=None):
         self.id, self.path, self.param_group, self.group = bucket_id, path, param_group, group
         self.fsdp_params = list(param_group.fsdp_params)
         # The params with bytes, in layout order (layout.params[i] is laid_out[i]); a frozen
@@ -72,14 +74,18 @@ class Bucket:
         self.laid_out = [fp for fp in self.fsdp_params if _fsdp2.has_bytes(fp)]
         self.index = {id(p): i for i, p in enumerate(self.laid_out)}
         self.layout, self.net, self.counts = layout, net, counts
+        # The all-gather's layout: the params' own, or with all-gather extensions the inputs'
+        # (an _extension.ExtensionGather); the reduce-scatter's is always the params'.
+        self.gather = gather
+        self.gather_layout = gather.layout if gather is not None else layout
         self.rank = group.rank()
-        self.ag_program = _tide.plan_all_gather(layout, self.rank, bucket_id, net)
+        self.ag_program = _tide.plan_all_gather(self.gather_layout, self.rank, bucket_id, net)
         # Across nodes the reduce-scatter stages partial sums after the bucket's window: a window
         # holds the larger of the two programs' windows (a subset's is never larger).
         self.window_bytes = max(self.ag_program.window_bytes,
                                 _tide.plan_reduce_scatter(layout, self.rank, _tide.ReduceOptions(),
                                                           bucket_id, net).window_bytes)
-        self.ag_bytes = sum(layout.world * p.slot_bytes for p in layout.params)
+        self.ag_bytes = sum(layout.world * p.slot_bytes for p in self.gather_layout.params)
         shard_numels = iter(p.shard_numel for p in layout.params)
         self.numels = [next(shard_numels) if _fsdp2.has_bytes(fp) else 0 for fp in self.fsdp_params]
         self.rs_programs: dict = {}
@@ -103,7 +109,7 @@ class Bucket:
         # the param (FSDP2 views it with as_strided(storage_offset=0)); created once, never resized.
         if self.param_outputs:
             return
-        for p in self.layout.params:
+        for p in self.gather_layout.params:
             nbytes = self.layout.world * p.slot_bytes
             if self.cuda:
                 raw = torch.as_tensor(DeviceBytes(self.range.ptr + p.window_offset, nbytes),
@@ -113,12 +119,17 @@ class Bucket:
                                        dtype=torch.uint8)
             self.param_outputs.append(raw.view(TIDE_TO_TORCH[p.dtype]))
         self.storage = _fsdp2.UnshardedStorage(self.param_outputs)
+        if self.gather is not None:
+            self.gather.set_outputs(self.param_outputs)
+            return
         # Per FSDP param (FSDP2's order): its window view, or an empty tensor for a zero-size one.
         views = iter(self.param_outputs)
         self.all_gather_outputs = [next(views) if _fsdp2.has_bytes(fp) else
                                    torch.empty(0, dtype=_fsdp2.dtypes(fp, self.param_group)[1],
                                                device=self.pool.device)
                                    for fp in self.fsdp_params]
+        self.result_numels = [[n] for n in self.numels]
+        self.result_dtypes = [[out.dtype] for out in self.all_gather_outputs]
 
     def _map_window(self) -> None:
         if self.mapped is self.window:
@@ -173,44 +184,56 @@ class Bucket:
                 self.window.use_on(stream)
                 self.window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
                 event = stream.record_event()
-            else:
-                self.window.executor.run(self.ag_program, [s.data_ptr() for s in self._shards(None)])
+            else:  # `shards` referenced until the program has read them (extension inputs are new tensors)
+                shards = self._shards(None)
+                self.window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
         self.counts.all_gathers += 1
         self.counts.all_gather_bytes += self.ag_bytes
-        return _fsdp2.all_gather_result(self.param_outputs[0], self.fsdp_params, self.numels, event)
+        if self.gather is not None:
+            numels, dtypes = self.gather.input_numels(), self.gather.input_dtypes()
+        else:
+            numels, dtypes = self.result_numels, self.result_dtypes
+        return _fsdp2.all_gather_result(self.param_outputs[0], numels, dtypes, event)
 
     def _shards(self, stream) -> list:
-        """Each param's padded shard as the all-gather reads it. With CPU offload on CUDA the
-        shards live in host memory: each goes to the device by a copy engine on the all-gather
-        stream (a shard-sized tensor, as stock FSDP2's own offload copy; no full-group buffer).
-        Allocated on that stream, so the allocator hands its memory out again only in that
-        stream's order, after the all-gather has read it."""
-        shards = []
-        for p, fp in zip(self.layout.params, self.laid_out):
-            data = _fsdp2.sharded_data(fp)
-            if data.dtype != TIDE_TO_TORCH[p.shard_dtype]:
-                raise ValueError(f"tide.fsdp: param group {self.path}: {p.name} is {data.dtype}, but was "
-                                 f"{TIDE_TO_TORCH[p.shard_dtype]} at tide.fsdp.enable (model.to(dtype) "
-                                 "after enable?): cast the model before tide.fsdp.enable, or disable, "
-                                 "cast and enable again")
-            if not data.is_contiguous():
-                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
-                                   "not contiguous (FSDP2 internals changed?)")
-            if stream is not None and data.device.type == "cpu" and _fsdp2.offloaded(fp):
-                data = data.to(self.pool.device, non_blocking=data.is_pinned())
-            if data.device.type != self.pool.device.type:
-                raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
-                                   f"on {data.device}, expected {self.pool.device}")
-            shards.append(data)
-        return shards
+        """What the all-gather program reads: each laid-out param's padded shard, or with all-gather
+        extensions each param's all-gather inputs (_extension.py)."""
+        if self.gather is not None:
+            return self.gather.shards(self.fsdp_params, lambda i, j: self._shard(
+                self.fsdp_params[i], self.gather_layout.params[j], stream))
+        return [self._shard(fp, p, stream) for p, fp in zip(self.layout.params, self.laid_out)]
+
+    def _shard(self, fp, p, stream) -> torch.Tensor:
+        """FSDP param `fp`'s padded shard as the all-gather reads it for layout param `p`. With CPU
+        offload on CUDA the shards live in host memory: each goes to the device by a copy engine on
+        the all-gather stream (a shard-sized tensor, as stock FSDP2's own offload copy; no
+        full-group buffer). Allocated on that stream, so the allocator hands its memory out again
+        only in that stream's order, after the all-gather has read it."""
+        data = _fsdp2.sharded_data(fp)
+        if data.dtype != TIDE_TO_TORCH[p.shard_dtype]:
+            raise ValueError(f"tide.fsdp: param group {self.path}: {p.name} is {data.dtype}, but was "
+                             f"{TIDE_TO_TORCH[p.shard_dtype]} at tide.fsdp.enable (model.to(dtype) "
+                             "after enable?): cast the model before tide.fsdp.enable, or disable, "
+                             "cast and enable again")
+        if not data.is_contiguous():
+            raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
+                               "not contiguous (FSDP2 internals changed?)")
+        if stream is not None and data.device.type == "cpu" and _fsdp2.offloaded(fp):
+            data = data.to(self.pool.device, non_blocking=data.is_pinned())
+        if data.device.type != self.pool.device.type:
+            raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
+                               f"on {data.device}, expected {self.pool.device}")
+        return data
 
     def owns(self, all_gather_result) -> bool:
         return bool(self.param_outputs) and all_gather_result.all_gather_output is self.param_outputs[0]
 
     def copy_out(self) -> None:
         self.storage.restore()  # where stock's copy-out re-allocates the outputs' storage
+        if self.gather is not None:
+            return self.gather.copy_out(self.fsdp_params)
         for fp, out in zip(self.fsdp_params, self.all_gather_outputs):
-            _fsdp2.set_all_gather_output(fp, out)
+            _fsdp2.set_all_gather_outputs(fp, [out])
 
     def on_params_freed(self) -> None:
         if self.window is None:

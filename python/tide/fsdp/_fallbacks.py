@@ -41,8 +41,8 @@ def group_reason(param_group, group, param_name) -> str:
             # reduce-scatter refuses (chunk_cat: "expects non-empty tensor"), so stock keeps it.
             return (f"{name} is zero-size {tuple(_fsdp2.unsharded_shape(fp))} and trainable (stock FSDP2's "
                     "reduce-scatter refuses its empty gradient)")
-        if _fsdp2.has_all_gather_extension(fp):
-            return f"{name} uses an all-gather extension (fsdp_pre_all_gather)"
+        if not _fsdp2.has_bytes(fp) and any(map(_fsdp2.has_extension, param_group.fsdp_params)):
+            return f"{name} is zero-size in a group with all-gather extensions (fsdp_pre_all_gather)"
         orig, comm = _fsdp2.dtypes(fp, param_group)
         if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
             return f"{name} has dtype {orig} (communicated as {comm})"
@@ -66,6 +66,7 @@ def multi_node_reason(param_group, param_name) -> str:
 
 
 _dtype_of = operator.attrgetter("dtype")
+_PLAIN = {torch.Tensor}
 # A bucket's subsets -> their params' unsharded sizes, as stock's gradients have them.
 _grad_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -85,6 +86,10 @@ def reduce_scatter_reason(bucket, subset: tuple, fsdp_params, grads, call) -> st
     comm = call.get("reduce_scatter_comm")
     if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
         return f"a custom reduce-scatter comm ({type(comm).__name__})"
+    if set(map(type, grads)) != _PLAIN:
+        subclasses = sorted({type(g).__name__ for g in grads if type(g) is not torch.Tensor})
+        # e.g. an all-gather extension whose unsharded param is a subclass (TwoTensor)
+        return f"gradients are tensor subclasses ({', '.join(subclasses)}), not plain tensors"
     grad_dtype = grads[0].dtype
     if not all(map(grad_dtype.__eq__, map(_dtype_of, grads))):
         return f"mixed gradient dtypes {sorted({str(g.dtype) for g in grads})}"

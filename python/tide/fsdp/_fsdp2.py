@@ -218,11 +218,6 @@ def padded_shard_shape(fp) -> torch.Size:
     return fp.padded_sharded_param_size
 
 
-def has_all_gather_extension(fp) -> bool:
-    """Whether the param's local tensor defines fsdp_pre_all_gather (an all-gather extension)."""
-    return hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
-
-
 def sharded_data(fp) -> torch.Tensor:
     """The param's padded shard as FSDP2's all-gather reads it (host memory with CPU offload)."""
     return fp._sharded_param_data
@@ -233,11 +228,13 @@ def offloaded(fp) -> bool:
     return fp.offload_to_cpu
 
 
-def set_all_gather_output(fp, output: torch.Tensor) -> None:
-    """Makes `output` the tensor FSDP2 builds the unsharded param from (its ``all_gather_outputs``);
-    a no-op when it already is."""
-    if not fp.all_gather_outputs or fp.all_gather_outputs[0] is not output:
-        fp.all_gather_outputs = [output]
+def set_all_gather_outputs(fp, outputs: list) -> None:
+    """Makes `outputs` the tensors FSDP2 builds the unsharded param from (its ``all_gather_outputs``:
+    one for a plain param, one per all-gather input with an extension); a no-op when they already
+    are."""
+    current = fp.all_gather_outputs
+    if len(current) != len(outputs) or any(a is not b for a, b in zip(current, outputs)):
+        fp.all_gather_outputs = list(outputs)
 
 
 def has_bytes(fp) -> bool:
@@ -252,12 +249,39 @@ def dtypes(fp, param_group) -> tuple:
     return orig, (param_group.mp_policy.param_dtype or orig)
 
 
-def all_gather_result(output: torch.Tensor, fsdp_params, numels: list, event=None):
+def all_gather_result(output: torch.Tensor, input_numels: list, input_dtypes: list, event=None):
+    """FSDP2's AllGatherResult for TIDE's all-gather: `output` identifies the bucket's; the inputs'
+    numels and dtypes per param (one each for a plain param, one per all-gather input for an
+    extension param) are what stock's copy-out would read."""
     fields = dict(all_gather_output=output, all_gather_event=event, all_gather_work=None,
-                  param_all_gather_input_dtypes=[[output.dtype] for _ in fsdp_params],
-                  param_all_gather_input_numels=[[n] for n in numels],
-                  all_gather_input_split_sizes=list(numels))
+                  param_all_gather_input_dtypes=[list(d) for d in input_dtypes],
+                  param_all_gather_input_numels=[list(n) for n in input_numels],
+                  all_gather_input_split_sizes=[n for numels in input_numels for n in numels])
     return AllGatherResult(**{f: fields[f] for f in AllGatherResult._fields})
+
+
+# --- All-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather; _extension.py) -------------
+
+def local_tensor_type(fp) -> str:
+    """The class name of a param's sharded local tensor (a subclass with an all-gather extension)."""
+    return type(fp._sharded_local_tensor).__name__
+
+
+def has_extension(fp) -> bool:
+    """Whether a param's sharded tensor defines FSDP2's all-gather extension protocol."""
+    return hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
+
+
+def extension_inputs(fp, clear: bool = True) -> list:
+    """A param's all-gather inputs, 1-D, from FSDP2's own ``all_gather_inputs`` (which calls
+    ``fsdp_pre_all_gather`` with the signature the tensor defines, moves CPU-offloaded shards to
+    the device, checks padding, and records the metadata and input sizes that
+    ``init_unsharded_param`` hands ``fsdp_post_all_gather``). clear=True (a probe outside an
+    all-gather) forgets that record again."""
+    inputs = fp.all_gather_inputs
+    if clear:
+        fp._extensions_data.clear()
+    return inputs
 
 
 @contextlib.contextmanager
@@ -332,5 +356,6 @@ def forget_unsharded(fp) -> None:
     """Drops a param's unsharded tensors (a stock all-gather's, or TIDE's) so that the next
     all-gather's output backs the unsharded parameter."""
     fp.all_gather_outputs = []
+    fp._unsharded_inner_tensors = []  # an extension's (fsdp_post_all_gather's) views of them
     if hasattr(fp, "_unsharded_param"):
         del fp._unsharded_param

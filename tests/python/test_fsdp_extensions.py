@@ -1,0 +1,466 @@
+"""FSDP2's all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather) under TIDE, on CPU:
+ranks are spawned processes with gloo as FSDP2's process group.
+
+- torchao float8 training with ``enable_fsdp_float8_all_gather=True`` (fp8 all-gather inputs: gloo
+  has no fp8, so stock FSDP2 cannot gather a group of float8 weights alone on CPU; TIDE's host
+  transport moves the bytes), dynamic and precomputed scales, W = 2 and 3: bitwise equal to the
+  same training with fp8 all-gather off (fp32 params: the tensorwise scale is 448 / max|W|, and a
+  max is exact however it is reduced);
+- torchao's NF4Tensor (QLoRA: frozen NF4 base weights, three inputs of int8 / bf16 / uint8);
+- a custom two-input extension on plain tensors (both pre-all-gather signatures), and PyTorch's own
+  test subclass TwoTensor with its test's functions, against stock FSDP2.
+
+Each asserts that TIDE handled every group (no fallback, its all-gathers counted) and that none of
+FSDP2's layout copies ran. On the code before extensions were handled, every such group fell back.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fsdp_harness as h
+import tide.fsdp
+
+try:
+    import torchao  # noqa: F401
+    HAVE_TORCHAO = True
+except ImportError:
+    HAVE_TORCHAO = False
+needs_torchao = pytest.mark.skipif(not HAVE_TORCHAO, reason="torchao is not installed (pip install torchao)")
+
+DIM, HIDDEN, IN = 48, 96, 16  # multiples of 16 (float8 matmul) and of W = 2, 3 (even shards)
+
+
+# --- torchao float8 ---------------------------------------------------------------------------------
+
+class Float8Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = h.RMSNorm(DIM)
+        self.up, self.down = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.up(self.norm(x))))
+
+
+class Float8Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(IN, DIM, bias=False)
+        self.blocks = nn.ModuleList(Float8Block() for _ in range(2))
+        self.out = nn.Linear(DIM, IN, bias=False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def build_float8(fp8_all_gather: bool, only_float8_groups: bool = False, **fsdp_kwargs):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    torch.manual_seed(0)
+    model = Float8Model()
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn not in ("inp", "out"))
+    for b in model.blocks:
+        if only_float8_groups:  # a group of float8 weights alone: all-gathered as fp8
+            fully_shard([b.up, b.down], **fsdp_kwargs)
+        fully_shard(b, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return model
+
+
+def train_float8(model, precompute: bool, steps=3):
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    counter = h.OpCounter()
+    with counter:
+        for _ in range(steps):
+            model(torch.randn(4, IN, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if precompute:
+                precompute_float8_dynamic_scale_for_fsdp(model)
+    return [p.to_local().detach().clone() for p in model.parameters()], counter.counts
+
+
+def _summary(handle, ops) -> dict:
+    return {"buckets": len(handle.buckets), "fallbacks": list(handle.fallbacks), "counts": handle.counts(),
+            "ops": dict(ops), "extension_buckets": sum(b.gather is not None for b in handle.buckets)}
+
+
+def _with_tide(model, train, **kwargs):
+    handle = tide.fsdp.enable(model, timeout_ms=60000, **kwargs)
+    try:
+        params, ops = train(model)
+    finally:
+        tide.fsdp.disable(model)
+    return params, _summary(handle, ops)
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def scenario_float8(precompute: bool, only_float8_groups: bool = False, ranks_per_node=None) -> dict:
+    def train(m):
+        return train_float8(m, precompute)
+    nodes = {}
+    if ranks_per_node:  # virtual nodes: TIDE's across-node programs, small network chunks
+        nodes = {"ranks_per_node": ranks_per_node,
+                 "net": tide.NetOptions(chunk_bytes=256, max_chunks_in_flight=2, ring_depth=2)}
+    on, tide_on = _with_tide(build_float8(True, only_float8_groups), train, **nodes)
+    off, tide_off = _with_tide(build_float8(False, only_float8_groups), train, **nodes)
+    stock_off, _ = train(build_float8(False, only_float8_groups))
+    return {"tide": tide_on, "tide_off": tide_off, "vs_tide_off": _equal(on, off),
+            "vs_stock_off": _equal(on, stock_off)}
+
+
+# --- torchao NF4 (QLoRA) ----------------------------------------------------------------------------
+
+def _nf4():
+    """torchao's (to_nf4, linear_nf4): moved in torchao 0.18."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+    except ImportError:  # torchao <= 0.17
+        from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
+    return to_nf4, linear_nf4
+
+
+class QLoRALinear(nn.Module):
+    def __init__(self, dim: int, rank: int = 4):
+        super().__init__()
+        to_nf4, _ = _nf4()
+        weight = (dim ** -0.5 * torch.randn(dim, dim)).to(torch.bfloat16)
+        self.weight = nn.Parameter(to_nf4(weight, block_size=64, scaler_block_size=256), requires_grad=False)
+        self.lora_a = nn.Parameter(0.1 * torch.randn(rank, dim))
+        self.lora_b = nn.Parameter(0.1 * torch.randn(dim, rank))
+
+    def forward(self, x):
+        _, linear_nf4 = _nf4()
+        return linear_nf4(x.bfloat16(), self.weight).float() + x @ self.lora_a.T @ self.lora_b.T
+
+
+def build_nf4():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[QLoRALinear(256) for _ in range(2)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def train_nf4(model, steps=3):
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    counter = h.OpCounter()
+    with counter:
+        for _ in range(steps):
+            model(torch.randn(2, 256, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.to_local().detach().clone() for p in model.parameters() if p.requires_grad], counter.counts
+
+
+def _nf4_inner(model) -> list:
+    model.unshard()
+    for layer in model:
+        layer.unshard()
+    inner = [getattr(layer.weight, n).clone() for layer in model
+             for n in ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean")]
+    model.reshard()
+    for layer in model:
+        layer.reshard()
+    return inner
+
+
+def scenario_nf4() -> dict:
+    stock_model = build_nf4()
+    stock_weights = _nf4_inner(stock_model)
+    stock, _ = train_nf4(stock_model)
+    model = build_nf4()
+    handle = tide.fsdp.enable(model, timeout_ms=60000)
+    try:
+        weights = _nf4_inner(model)
+        mine, ops = train_nf4(model)
+    finally:
+        tide.fsdp.disable(model)
+    return {"tide": _summary(handle, ops), "weights_equal": _equal(weights, stock_weights),
+            "vs_stock": _equal(mine, stock), "finite": all(bool(p.isfinite().all()) for p in mine)}
+
+
+# --- a custom two-input extension, and PyTorch's TwoTensor ----------------------------------------
+
+class SplitTensor(torch.Tensor):
+    """An fp32 tensor all-gathered as two bf16 inputs, a head and the rest (head + rest ~= the
+    value), and unsharded as their fp32 sum: a plain tensor, so its gradients are plain too.
+    Written as PyTorch's test subclass BFloat16AllGatherTensor is (a wrapper over ``_data``)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, data.stride(), data.storage_offset(),
+                                                   dtype=data.dtype, device=data.device)
+
+    def __init__(self, data: torch.Tensor):
+        self._data = data
+
+    def _inputs(self):
+        head = self._data.to(torch.bfloat16)
+        return (head, (self._data - head.float()).to(torch.bfloat16)), "split"
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        assert metadata == "split", metadata
+        head, rest = all_gather_outputs
+        if out is not None:
+            with torch.no_grad(), _unsafe_preserve_version_counter(out):
+                out.copy_(head.float() + rest.float())
+            return None
+        full = head.float() + rest.float()
+        return full, (full,)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        import torch.utils._pytree as pytree
+        out = func(*pytree.tree_map_only(cls, lambda x: x._data, args),
+                   **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {}))
+        return pytree.tree_map_only(torch.Tensor, cls, out)
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, outer_size, outer_stride):
+        return inner_tensors["_data"]
+
+
+class SplitTensorV1(SplitTensor):
+    def fsdp_pre_all_gather(self, mesh):  # the old signature
+        return self._inputs()
+
+
+class SplitTensorV2(SplitTensor):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        assert isinstance(module, nn.Module) and len(outer_size) == 2
+        return self._inputs()
+
+
+def build_split(version: int):
+    cls = SplitTensorV1 if version == 1 else SplitTensorV2
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+                            for _ in range(3)])
+    for mlp in model:
+        for lin in (mlp[0], mlp[2]):
+            lin.weight = nn.Parameter(cls(lin.weight.detach().clone()))
+        fully_shard(mlp)
+    fully_shard(model)
+    return model
+
+
+def build_two_tensor():
+    from torch.testing._internal.two_tensor import TwoTensor
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+                            for _ in range(3)])
+    for mlp in model:
+        for lin in (mlp[0], mlp[2]):
+            lin.weight = nn.Parameter(TwoTensor(lin.weight, lin.weight.clone()))
+        fully_shard(mlp)
+    fully_shard(model)
+    return model
+
+
+def _two_tensor_pre(self, mesh):  # as PyTorch's test_fully_shard_extensions.py (v1)
+    return (self.a, self.b), None
+
+
+def _two_tensor_post(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    from torch.testing._internal.two_tensor import TwoTensor
+    a, b = all_gather_outputs
+    if out is not None:  # the outputs must be the ones the first call wrapped (no copy)
+        assert a.untyped_storage().data_ptr() == out.a.untyped_storage().data_ptr()
+        assert b.untyped_storage().data_ptr() == out.b.untyped_storage().data_ptr()
+        return None
+    return TwoTensor(a, b).to(param_dtype), (a, b)
+
+
+def train_mlp(model, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    counter = h.OpCounter()
+    with counter:
+        for _ in range(steps):
+            model(torch.randn(2, 8, generator=gen)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.to_local().detach().clone() for p in model.parameters()], counter.counts
+
+
+def scenario_split(version: int) -> dict:
+    stock, _ = train_mlp(build_split(version))
+    mine, summary = _with_tide(build_split(version), train_mlp)
+    return {"tide": summary, "vs_stock": _equal(mine, stock)}
+
+
+def scenario_two_tensor() -> dict:
+    from torch.testing._internal.two_tensor import TwoTensor
+    TwoTensor.fsdp_pre_all_gather = _two_tensor_pre
+    TwoTensor.fsdp_post_all_gather = _two_tensor_post
+    try:
+        stock, _ = train_mlp(build_two_tensor())
+        mine, summary = _with_tide(build_two_tensor(), train_mlp)
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+    return {"tide": summary, "vs_stock": _equal(mine, stock)}
+
+
+def scenario_float8_stock_on(**fsdp_kwargs) -> dict:
+    """TIDE against stock FSDP2 both with fp8 all-gather on (every group mixes float8 weights with
+    plain params, so stock gathers uint8, which gloo carries)."""
+    def train(m):
+        return train_float8(m, False)
+    on, tide_on = _with_tide(build_float8(True, **fsdp_kwargs), train)
+    stock_on, _ = train(build_float8(True, **fsdp_kwargs))
+    return {"tide": tide_on, "vs_stock_on": _equal(on, stock_on)}
+
+
+SCENARIOS = {
+    "float8_dynamic": (lambda: scenario_float8(False), (2, 3), True),
+    "float8_precomputed": (lambda: scenario_float8(True), (2, 3), True),
+    "float8_only_groups": (lambda: scenario_float8(False, only_float8_groups=True), (2,), True),
+    "float8_virtual_nodes": (lambda: scenario_float8(True, ranks_per_node=2), (4,), True),
+    # torchtitan's usual float8 setting: bf16 params, fp32 reduce
+    "float8_bf16": (lambda: scenario_float8_stock_on(mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), (2,), True),
+    "float8_no_reshard": (lambda: scenario_float8_stock_on(reshard_after_forward=False), (2,), True),
+    "nf4": (scenario_nf4, (2,), True),
+    "split_v1": (lambda: scenario_split(1), (2,), False),
+    "split_v2": (lambda: scenario_split(2), (2,), False),
+    "two_tensor": (scenario_two_tensor, (2,), False),
+}
+
+
+def _worker(rank, world, port, names, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name in names:
+            try:
+                results[name] = SCENARIOS[name][0]()
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+_cache: dict = {}
+
+
+def results(world: int) -> dict:
+    """Every scenario that runs at `world` (one spawned world per W), per rank."""
+    if world not in _cache:
+        names = [n for n, (_, worlds, torchao_only) in SCENARIOS.items()
+                 if world in worlds and (HAVE_TORCHAO or not torchao_only)]
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.start_processes(_worker, args=(world, h._free_port(), names, out_dir), nprocs=world,
+                               join=True, start_method="spawn")
+            per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        _cache[world] = {n: [per_rank[r][n] for r in range(world)] for n in names}
+    return _cache[world]
+
+
+def _assert_handled(r: dict, groups: int, extension_groups: int, reduce_scatters: bool = True):
+    tide_run = r["tide"]
+    assert tide_run["fallbacks"] == [] and tide_run["buckets"] == groups, tide_run
+    assert tide_run["extension_buckets"] == extension_groups, tide_run
+    assert tide_run["counts"]["all_gathers"] > 0, tide_run
+    assert (tide_run["counts"]["reduce_scatters"] > 0) == reduce_scatters, tide_run
+    assert not any(tide_run["ops"].values()), f"FSDP2 layout copies ran: {tide_run['ops']}"
+
+
+@needs_torchao
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("scale", ["dynamic", "precomputed"])
+def test_float8_all_gather_is_handled_and_bitwise_equal_to_it_off(world, scale):
+    for rank, r in enumerate(results(world)[f"float8_{scale}"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=3, extension_groups=2)
+        _assert_handled({"tide": r["tide_off"]}, groups=3, extension_groups=0)
+        # fp8 bytes: the float8 weights' all-gather moves a quarter of fp32's
+        assert r["tide"]["counts"]["all_gather_bytes"] < r["tide_off"]["counts"]["all_gather_bytes"]
+        assert r["vs_tide_off"], f"rank {rank}: fp8 all-gather on differs from off (both TIDE)"
+        if world == 2:  # every reduction a sum of two numbers: bitwise against stock too
+            assert r["vs_stock_off"], f"rank {rank}: differs from stock FSDP2 with fp8 all-gather off"
+
+
+@needs_torchao
+def test_float8_groups_of_float8_weights_alone():
+    """Groups holding float8 weights alone all-gather fp8 inputs only: gloo has no fp8, so stock
+    FSDP2 cannot run this on CPU ("Invalid scalar type"); TIDE's host transport moves the bytes."""
+    for rank, r in enumerate(results(2)["float8_only_groups"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=5, extension_groups=2)
+        assert r["vs_tide_off"] and r["vs_stock_off"], f"rank {rank}: {r}"
+
+
+@needs_torchao
+@pytest.mark.parametrize("case", ["bf16", "no_reshard"])
+def test_float8_matches_stock_with_fp8_all_gather_on(case):
+    """bf16 params (fp32 reduce) and reshard_after_forward=False: bitwise equal to stock FSDP2
+    with fp8 all-gather on (W = 2)."""
+    for rank, r in enumerate(results(2)[f"float8_{case}"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=3, extension_groups=2)
+        assert r["vs_stock_on"], f"rank {rank}: differs from stock FSDP2 with fp8 all-gather on"
+
+
+@needs_torchao
+def test_float8_across_virtual_nodes():
+    """W = 4 as 2 nodes of 2: the fp8 bytes go through TIDE's across-node all-gather."""
+    for rank, r in enumerate(results(4)["float8_virtual_nodes"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=3, extension_groups=2)
+        assert r["vs_tide_off"], f"rank {rank}: fp8 all-gather on differs from off (both TIDE)"
+
+
+@needs_torchao
+def test_nf4_frozen_weights_are_gathered_as_stock():
+    for rank, r in enumerate(results(2)["nf4"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=2, extension_groups=2)
+        assert r["weights_equal"], f"rank {rank}: the unsharded NF4 tensors differ from stock's"
+        assert r["finite"] and r["vs_stock"], f"rank {rank}: LoRA params differ from stock's: {r}"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_custom_two_input_extension_matches_stock(version):
+    for rank, r in enumerate(results(2)[f"split_v{version}"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=3, extension_groups=3)
+        assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
+
+
+def test_pytorch_two_tensor_extension_matches_stock():
+    """PyTorch's own test subclass: the all-gathers are TIDE's; its gradients are TwoTensors, so
+    their reduce-scatters run stock (logged), as TIDE reduces plain gradients only."""
+    for rank, r in enumerate(results(2)["two_tensor"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        tide_run = r["tide"]
+        assert tide_run["fallbacks"] == [] and tide_run["extension_buckets"] == 3, tide_run
+        assert tide_run["counts"]["all_gathers"] > 0 and tide_run["counts"]["reduce_scatters"] == 0, tide_run
+        assert tide_run["ops"]["all_gather_copy_in"] == 0 and tide_run["ops"]["split_with_sizes_copy"] == 0
+        assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
