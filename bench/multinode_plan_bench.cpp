@@ -1,5 +1,5 @@
 // Reduce-scatter staging memory per rank vs W at a fixed per-rank output (one Llama-3.1-70B decoder
-// layer's shard at W = 64: 13.4 M elements, 53.5 MB in fp32): TIDE's multi-node RS (node-local
+// layer's shard at W = 64: 13.4 M elements, 53.5 MB in fp32): TIDE's across-node RS (node-local
 // accumulation into vacated slots + a chunked ring of fp32 partials through a fixed staging ring)
 // vs stock FSDP2's fp32 full-group reduce-scatter input (W x shard x 4 B). Also the network bytes
 // each rank sends and the plan time. Plan-level accounting only (no transport runs here).
@@ -44,7 +44,7 @@ static std::size_t net_bytes_sent(const Program& p) {
 }
 
 int main() {
-  const NetOptions net;  // 16 MiB chunks, 4 in flight, ring of 4
+  const AcrossNodesOptions net;  // 16 MiB chunks, 4 in flight, ring of 4
   std::printf("# RS staging per rank at fixed per-rank output (70B layer shard at W = 64), "
               "chunk %zu B, ring %d\n", net.chunk_bytes, net.ring_depth);
   std::printf("%4s %7s %12s %14s %16s %9s %14s %14s %18s %10s %16s %16s\n", "W", "topo", "shard_MB",
@@ -61,14 +61,14 @@ int main() {
     const Program rs = plan_reduce_scatter(layout, 0, {}, 0, net);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count();
     const std::size_t tide = rs_staging_bytes(layout, net);
-    NetOptions halving = net;
+    AcrossNodesOptions halving = net;
     halving.rs_recursive_halving = true;
     const Program rs_h = plan_reduce_scatter(layout, 0, {}, 0, halving);
     if (rs_staging_bytes(layout, halving) != tide || net_bytes_sent(rs_h) != net_bytes_sent(rs)) {
       std::fprintf(stderr, "halving staging or bytes differ from the ring\n");
       return 1;
     }
-    NetOptions bf16_wire = net;
+    AcrossNodesOptions bf16_wire = net;
     bf16_wire.wire_dtype = DType::kBF16;  // lossy: partial sums rounded to bf16 on the wire
     const Program rs_b = plan_reduce_scatter(layout, 0, {}, 0, bf16_wire);
     const std::size_t stock = stock_rs_buffer_bytes(layout);

@@ -98,12 +98,12 @@ SANITIZER_CASES=(
   # one rank: an executor refused on a window that has one; bad bindings refused before enqueuing
   "CudaCollectives.OneExecutorPerWindow:CudaCollectives.RejectsBadBindingsBeforeEnqueuing||2"
   # ranks as threads, W = 2 and 4, AG then RS: copy-engine pushes (Delivery::kPush) and the cast
-  # into the peers' windows (kCastToPeers) as stream operations. The handoff kernel is off here:
+  # into the peers' windows (kCastToPeers) as stream operations. The cast-to-peers kernel is off here:
   # it spins on flags its peers' kernels write, and the sanitizer runs one kernel at a time.
-  "CudaCollectives.RanksAsThreadsOfOneProcess|TIDE_CUDA_HANDOFF=0|1"
-  # the handoff kernel itself: one rank's kernel stuck on a flag, released by the watchdog (its
+  "CudaCollectives.RanksAsThreadsOfOneProcess|TIDE_CUDA_CAST_TO_PEERS=0|1"
+  # the cast-to-peers kernel itself: one rank's kernel stuck on a flag, released by the watchdog (its
   # peers run no kernel), in both outcomes (DesyncError, TimeoutError)
-  "CudaCollectives.AStuckHandoffKernelTimesOutLikeAStreamWait||1"
+  "CudaCollectives.AStuckCastToPeersKernelTimesOutLikeAStreamWait||1"
 )
 
 run_sanitizer() {

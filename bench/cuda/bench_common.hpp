@@ -48,12 +48,12 @@ struct Args {
   int warmup = 3;
   bool quick = false;
   int nodes = 1;  // > 1: every rank group of W/nodes its own (virtual) node
-  std::string network = "nccl";  // between nodes: nccl | ipc (CudaReach::kHost windows)
+  std::string transport = "nccl";  // between nodes: nccl | ipc (CudaWindowScope::kHost windows)
   bool threads = false;          // ranks as threads of one process (GPU 0)
   bool prefixes = false;         // sweep/bucket: also time every prefix of the program (its chain)
   std::string delivery = "default";  // sweep/bucket AG: default | push | cast_to_peers (plan.hpp)
-  std::size_t chunk_mib = 16;  // multi-node: NetOptions::chunk_bytes (each chunk one send/recv)
-  std::string wire = "fp32";   // multi-node RS: NetOptions::wire_dtype
+  std::size_t chunk_mib = 16;  // across-node: AcrossNodesOptions::chunk_bytes (each chunk one send/recv)
+  std::string wire = "fp32";   // across-node RS: AcrossNodesOptions::wire_dtype
 };
 
 // ---- Results: tab-separated lines appended by children, printed by the parent. -------------

@@ -19,10 +19,10 @@
 //                                      (cuBLAS and NCCL loaded at run time; skipped without;
 //                                      --quick: only the multi-GPU part)
 // Options: --iters N (timed runs, >= 20; median reported), --warmup N, --quick (fewer sizes),
-// --nodes N (sweep/bucket: W ranks as N nodes), --network nccl|ipc (between those nodes: NCCL,
+// --nodes N (sweep/bucket: W ranks as N nodes), --transport nccl|ipc (between those nodes: NCCL,
 // one GPU per rank; or CUDA IPC, virtual nodes whose ranks may share GPUs: on one GPU the whole
-// pipeline, network included, is bound by that GPU's HBM), --chunk-mib N (multi-node chunk size,
-// default 16), --wire fp32|bf16 (multi-node RS: the dtype of partial sums between nodes; bf16 is
+// pipeline, network included, is bound by that GPU's HBM), --chunk-mib N (across-node chunk size,
+// default 16), --wire fp32|bf16 (across-node RS: the dtype of partial sums between nodes; bf16 is
 // lossy and checked within one bf16 rounding per node), --threads (sweep/bucket: the ranks as threads of one process on GPU 0, one CUDA
 // context, instead of processes, whose contexts the GPU time-slices: every hand-off between
 // ranks can then wait for a time slice), --prefixes (sweep/bucket: also every prefix of the
@@ -87,7 +87,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--quick") args.quick = true;
     else if (a == "--nodes") args.nodes = std::stoi(value());
     else if (a == "--chunk-mib") args.chunk_mib = std::stoul(value());
-    else if (a == "--network") args.network = value();
+    else if (a == "--transport") args.transport = value();
     else if (a == "--wire") args.wire = value();
     else if (a == "--threads") args.threads = true;
     else if (a == "--prefixes") args.prefixes = true;
@@ -99,8 +99,8 @@ int main_impl(int argc, char** argv) {
   if (args.nodes < 1 || args.world % args.nodes != 0)
     throw std::runtime_error("--nodes " + std::to_string(args.nodes) + ": expected a divisor of --world " +
                              std::to_string(args.world));
-  if (args.network != "nccl" && args.network != "ipc")
-    throw std::runtime_error("--network " + args.network + ": expected nccl or ipc");
+  if (args.transport != "nccl" && args.transport != "ipc")
+    throw std::runtime_error("--transport " + args.transport + ": expected nccl or ipc");
   if (args.wire != "fp32" && args.wire != "bf16")
     throw std::runtime_error("--wire " + args.wire + ": expected fp32 or bf16");
   if (args.delivery != "default" && args.delivery != "push" && args.delivery != "cast_to_peers")

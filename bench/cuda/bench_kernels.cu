@@ -66,7 +66,7 @@ __global__ void check_reduce_scatter_kernel(const void* output, ParamGeometry g,
     const Storage got = static_cast<const Storage*>(output)[k];
     if (tolerance == 0.0f)
       wrong += got != expected;
-    else  // another summation order (multi-node): |error| within tolerance of the magnitude
+    else  // another summation order (across-node): |error| within tolerance of the magnitude
       wrong += !(fabsf(Element<S>::to_float(got) - Element<S>::to_float(expected)) <=
                  tolerance * fabsf(scale) * magnitude);
   }

@@ -59,7 +59,7 @@ void launch_check_all_gather(const void* slots, const ParamGeometry& g, int worl
 
 // Reduce-scatter: rank `rank`'s output (valid rows, shard_dtype) must equal, bit for bit, the
 // fixed-order fp32 reduction of every rank's gradient chunk (no accumulate); with tolerance > 0
-// (another summation order: multi-node), be within tolerance x scale x sum |terms| of it.
+// (another summation order: across-node), be within tolerance x scale x sum |terms| of it.
 void launch_check_reduce_scatter(const void* output, const ParamGeometry& g, int world, int rank,
                                  uint64_t base, int param, float prescale, float scale,
                                  float tolerance, unsigned long long* mismatches,

@@ -135,7 +135,7 @@ void interference_one_gpu(const Args& args) {
           executor.enable_stats(true);
           executor.run(program, bindings);
           const auto stats = executor.stats();  // waits for the stream: call it once
-          rs_cta_us[rank] = stats.reduce_cta_us + stats.cast_cta_us + stats.handoff_cta_us;
+          rs_cta_us[rank] = stats.reduce_cta_us + stats.cast_cta_us + stats.cast_to_peers_cta_us;
           executor.enable_stats(false);
           ready.count_down(), counted_ready = true;
           go.wait();

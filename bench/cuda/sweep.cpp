@@ -55,11 +55,11 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
   select_device(rank);
   const int world = bootstrap.world();
   const Topology topology{args.nodes, world / args.nodes};
-  NetOptions net;  // ring
+  AcrossNodesOptions net;  // ring
   net.chunk_bytes = args.chunk_mib << 20;
   net.wire_dtype = args.wire == "bf16" ? DType::kBF16 : DType::kFP32;
   const bool lossy = net.wire_dtype == DType::kBF16;
-  const bool ipc = args.network == "ipc";
+  const bool ipc = args.transport == "ipc";
   std::unique_ptr<NcclComm> network;
   if (args.nodes > 1 && !ipc) network = NcclComm::create(bootstrap);
   cudaStream_t stream = nullptr;
@@ -113,7 +113,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     }
     BCHECK(cudaStreamSynchronize(stream));
     auto window = CudaWindow::create(bootstrap, program.window_bytes, topology, CudaMemory::kMalloc,
-                                     ipc ? CudaReach::kHost : CudaReach::kNode);
+                                     ipc ? CudaWindowScope::kHost : CudaWindowScope::kNode);
 
     double median_us = 0, sm_cta_us = 0, host_us = 0, loop_us = 0;
     bool batched = true;
@@ -164,7 +164,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       executor.reset_stats();
       executor.run(program, bindings);
       const CudaExecutor::Stats stats = executor.stats();
-      sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us + stats.handoff_cta_us;
+      sm_cta_us = stats.cast_cta_us + stats.reduce_cta_us + stats.cast_to_peers_cta_us;
       // No fallback to one cudaMemcpyAsync per copy (a program may have no copies at all: one
       // rank per node has no local peers to push to).
       batched = stats.single_copy_calls == 0;

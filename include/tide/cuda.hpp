@@ -44,7 +44,7 @@ enum class CudaMemory : uint8_t {
 };
 
 // Which peers' windows a rank maps, and so how a CudaExecutor reaches the other nodes.
-enum class CudaReach : uint8_t {
+enum class CudaWindowScope : uint8_t {
   kNode,  // the ranks of its own node; other nodes over NCCL (an NcclComm given to the executor)
   kHost,  // every rank: the nodes are virtual nodes of one host (tests, one-GPU benchmarks), and
           // an executor given no NcclComm runs the network ops over CUDA IPC: the receiver's
@@ -60,13 +60,13 @@ class CudaWindow {
   // Collective over `bootstrap`: every rank calls it with the same data_bytes (checked). Peers
   // are opened with cudaIpcOpenMemHandle (peers in this same process: their pointer as is).
   static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes);
-  // Across nodes (topology.world() == the bootstrap's world): with CudaReach::kNode only the
+  // Across nodes (topology.world() == the bootstrap's world): with CudaWindowScope::kNode only the
   // ranks of this rank's node are mapped (data(r) of another node's rank throws) and NCCL reaches
   // the others; with kHost every rank is mapped (all ranks must be on one host).
   static std::unique_ptr<CudaWindow> create(Bootstrap& bootstrap, std::size_t data_bytes,
                                             const Topology& topology,
                                             CudaMemory memory = CudaMemory::kMalloc,
-                                            CudaReach reach = CudaReach::kNode);
+                                            CudaWindowScope scope = CudaWindowScope::kNode);
   // Unmaps the peers and frees this rank's memory. Destroy it only after every rank is done with
   // the window (synchronize the executors, then a bootstrap barrier), or peers write into freed
   // memory. cudaMalloc/cudaFree may wait for the whole device: with ranks as threads of one
@@ -83,15 +83,15 @@ class CudaWindow {
   CudaMemory memory() const { return memory_; }
   std::byte* data(int rank) const;   // rank's data, as a device pointer valid in this process
   FlagWord* flags(int rank) const;   // rank's flag array, as a device pointer valid in this process
-  CudaReach reach() const { return reach_; }
+  CudaWindowScope scope() const { return scope_; }
   const Topology& topology() const { return topology_; }
   // The IPC network's mailbox in `rank`'s window for its exchanges with `peer` on `channel`
-  // (CudaReach::kHost windows). Every word of it is written by `peer` only: `posted` and `entries`
+  // (CudaWindowScope::kHost windows). Every word of it is written by `peer` only: `posted` and `entries`
   // describe peer's sends to rank (entries[(k - 1) % kNetQueueDepth] is send k; `seq` unused),
   // `taken` counts rank's sends that peer has received. So every wait is on the waiter's own
   // memory, where the watchdog can release it.
   NetOutbox* mailbox(int rank, int channel, int peer) const;
-  // This rank's CTA counter for the executor's handoff kernel (src/executor/cuda/kernels.cuh),
+  // This rank's CTA counter for the executor's cast-to-peers kernel (src/executor/cuda/kernels.cuh),
   // zero at creation, a device pointer into the own window's control words.
   unsigned int* arrivals() const;
   // Whether every mapped peer's kernels can run while one of this rank's kernels spins on a flag:
@@ -120,7 +120,7 @@ class CudaWindow {
     unsigned long long vmm_handle = 0;  // kVmm: the allocation handle (own or imported)
   };
   CudaMemory memory_ = CudaMemory::kMalloc;
-  CudaReach reach_ = CudaReach::kNode;
+  CudaWindowScope scope_ = CudaWindowScope::kNode;
   std::size_t mapped_bytes_ = 0;  // kVmm: bytes of each rank's allocation (granularity multiple)
   int rank_ = 0;
   int world_ = 0;
@@ -179,7 +179,7 @@ class CudaAddressRange {
 // Waits block the stream's hardware queue. Streams share queues once a process has more of them
 // than CUDA_DEVICE_MAX_CONNECTIONS (default 8), and a wait in a shared queue also blocks the other
 // stream's work behind it: with several ranks as threads of one process (each executor uses its
-// stream plus a side stream for the watchdog; multi-node programs add a network stream, and the
+// stream plus a side stream for the watchdog; across-node programs add a network stream, and the
 // IPC network one more per extra peer of a group), set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA
 // starts, or a rank's wait can block the very signal it waits for. One rank per process is safe.
 class CudaExecutor final : public Executor {
@@ -190,7 +190,7 @@ class CudaExecutor final : public Executor {
     double cast_cta_us = 0;    // CTA-microseconds of cast kernels
     double reduce_cta_us = 0;  // CTA-microseconds of reduce kernels
     double network_cta_us = 0; // CTA-microseconds of the IPC network's pull kernels
-    double handoff_cta_us = 0; // CTA-microseconds of handoff kernels (their waits included)
+    double cast_to_peers_cta_us = 0; // CTA-microseconds of cast-to-peers kernels (their waits included)
     double copy_cta_us = 0;    // CTA-microseconds of copy kernels (kMaxEngineCopies, command_list.hpp)
     int copies = 0;            // copy-engine copies enqueued
     int single_copy_calls = 0;   // cudaMemcpyAsync calls (no batch API, or TIDE_CUDA_BATCH_COPY=0)
@@ -202,7 +202,7 @@ class CudaExecutor final : public Executor {
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
     int mem_op_calls = 0;        // cuStreamBatchMemOp calls of the programs' signals and waits
-    int handoff_kernels = 0;     // handoff kernels (also in kernel_launches): a kCastToPeers
+    int cast_to_peers_kernels = 0;     // cast-to-peers kernels (also in kernel_launches): a kCastToPeers
                                  // program's stores, signals, waits and reduces in one launch
   };
 
@@ -210,13 +210,13 @@ class CudaExecutor final : public Executor {
   // cudaMemcpyBatchAsync refuses; the executor then falls back to one cudaMemcpyAsync per copy, as
   // it does when TIDE_CUDA_BATCH_COPY=0 or the batch API fails once).
   //
-  // `network` (multi-node programs only; may be null otherwise): the NCCL communicator over all W
+  // `network` (across-node programs only; may be null otherwise): the NCCL communicator over all W
   // ranks that carries NetSendOp/NetRecvOp as grouped ncclSend/ncclRecv on a network stream of
   // this executor. A network group stuck past the timeout aborts the communicator (NCCL's only
   // way to release its kernels) and becomes a TimeoutError naming the peers. Without one, a
-  // window created with CudaReach::kHost carries them over CUDA IPC (same groups, same network
+  // window created with CudaWindowScope::kHost carries them over CUDA IPC (same groups, same network
   // stream; a stuck transfer is a TimeoutError, one whose peer runs another collective a
-  // DesyncError, both naming peer, transfer, bucket, phase and epoch); otherwise multi-node
+  // DesyncError, both naming peer, transfer, bucket, phase and epoch); otherwise across-node
   // programs are rejected.
   //
   // One executor per window at a time: InvalidArgument if `window` has one already.

@@ -6,7 +6,7 @@
 //   NcclComm     a communicator over the collective's W ranks (its rank i = TIDE rank i): made
 //                from a unique id exchanged over a Bootstrap, or wrapping one the caller owns.
 //
-// A CudaExecutor given an NcclComm runs the network ops of multi-node programs as grouped
+// A CudaExecutor given an NcclComm runs the network ops of across-node programs as grouped
 // ncclSend/ncclRecv (see src/executor/net/group_schedule.hpp). NCCL's own settings (NCCL_*) apply;
 // TIDE never turns NVLink SHARP/multicast on (keep NCCL_NVLS_ENABLE=0 on shared machines).
 #pragma once

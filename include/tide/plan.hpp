@@ -106,7 +106,7 @@ struct WaitOp {
 // operation, no fused multiply-add: bitwise reproducible and identical on every executor.
 struct ReduceOp {
   int param;
-  std::vector<Address> sources;  // one per rank, rank order (multi-node: the node's local ranks)
+  std::vector<Address> sources;  // one per rank, rank order (across-node: the node's local ranks)
   Address dst;
   int64_t count;
   DType src_dtype;
@@ -114,10 +114,10 @@ struct ReduceOp {
   float prescale;
   float scale;
   bool accumulate;
-  // Multi-node plans: a partial sum (received from another node) in the own window that the
+  // Across-node plans: a partial sum (received from another node) in the own window that the
   // sources are added to, so a ring step reads the gradients once (no separate local partial).
   std::optional<Address> partial = std::nullopt;
-  DType partial_dtype = DType::kFP32;  // NetOptions::wire_dtype
+  DType partial_dtype = DType::kFP32;  // AcrossNodesOptions::wire_dtype
 };
 
 // --- Network ops (between nodes; W = nodes x local, see Topology) ---
@@ -163,7 +163,7 @@ enum class Delivery : uint8_t {
   // writes the shard into the own block and into the same block of every peer's window.
   // Reduce-scatter: the chunks are copied into the peers' slots. Then the data-ready handshake
   // (and the reduce). A CudaExecutor runs everything after the slot-free handshake as one kernel
-  // (src/executor/cuda/kernels.cuh, the handoff kernel) where its peers' kernels can run beside it:
+  // (src/executor/cuda/kernels.cuh, the cast-to-peers kernel) where its peers' kernels can run beside it:
   // 2 driver calls at any W, while SMs move the bytes and spin on the peers' flags. For small
   // buckets.
   kCastToPeers,
@@ -178,7 +178,7 @@ struct Program {
   int num_params = 0;
   std::size_t window_bytes = 0;  // the window this program needs, per rank
   std::size_t alignment = 0;     // the window base alignment it needs
-  Delivery delivery = Delivery::kPush;  // how it hands bytes to peers (multi-node: kPush)
+  Delivery delivery = Delivery::kPush;  // how it hands bytes to peers (across-node: kPush)
   std::vector<Step> steps;
 
   // The 32-bit tag every signal of this program carries: bucket and collective.
@@ -188,7 +188,7 @@ struct Program {
   std::size_t bytes_pushed() const;
 };
 
-// Pacing of the network part of multi-node plans: every transfer is split into chunks of at most
+// Pacing of the network part of across-node plans: every transfer is split into chunks of at most
 // chunk_bytes (one send/recv pair each), and a rank has at most max_chunks_in_flight sends to one
 // peer outstanding before it receives from it: bytes in flight per step and per peer are bounded by
 // chunk_bytes x max_chunks_in_flight. The reduce-scatter's staging ring has ring_depth send buffers
@@ -198,7 +198,7 @@ struct Program {
 // chunks 2.7x stock FSDP2's step time in tide.fsdp across two H200s over NCCL; with 16 MiB its
 // collectives took 0.70-0.78x stock's time (three runs; BENCHMARKS.md). Staging is
 // (2 + ring_depth) chunks of fp32 (96 MiB per window).
-struct NetOptions {
+struct AcrossNodesOptions {
   std::size_t chunk_bytes = std::size_t{16} << 20;  // multiple of 16, >= 16
   int max_chunks_in_flight = 4;                    // in [1, kNetQueueDepth]
   int ring_depth = 4;                              // in [1, kNetQueueDepth]
@@ -254,7 +254,7 @@ Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket = 
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
                             uint32_t bucket = 0);
 
-// Multi-node versions (layout.topology().nodes > 1; with one node they equal the ones above). They
+// Across-node versions (layout.topology().nodes > 1; with one node they equal the ones above). They
 // take params sharded on dim 0 only (InvalidArgument otherwise).
 //
 // All-gather: node-local delivery as on one node (copy pushes into local peers' slots), and between
@@ -272,21 +272,21 @@ Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOp
 // of its own chunk and writes the output. Partial sums cross the network in net.wire_dtype; with
 // one rank per node the first step sends the raw gradient instead (the whole partial: lossless),
 // staged by a copy into the own vacated slot. Staging is constant in W (rs_staging_bytes); the
-// window of a multi-node reduce-scatter program is layout.window_bytes() + rs_staging_bytes().
+// window of a across-node reduce-scatter program is layout.window_bytes() + rs_staging_bytes().
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
-                        const NetOptions& net);
-// Either version with the delivery chosen by the caller (single node; a multi-node plan delivers
+                        const AcrossNodesOptions& net);
+// Either version with the delivery chosen by the caller (single node; a across-node plan delivers
 // node-locally by kPush, so `delivery` must be kPush there: InvalidArgument otherwise).
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
-                        const NetOptions& net, Delivery delivery);
+                        const AcrossNodesOptions& net, Delivery delivery);
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
-                            uint32_t bucket, const NetOptions& net);
+                            uint32_t bucket, const AcrossNodesOptions& net);
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
-                            uint32_t bucket, const NetOptions& net, Delivery delivery);
+                            uint32_t bucket, const AcrossNodesOptions& net, Delivery delivery);
 
 // Bytes of reduce-scatter staging per rank beyond the bucket's window (0 on one node, where peers'
 // chunks are staged in vacated slots): a fixed ring of fp32 chunks, independent of W.
-std::size_t rs_staging_bytes(const BucketLayout& layout, const NetOptions& net = {});
+std::size_t rs_staging_bytes(const BucketLayout& layout, const AcrossNodesOptions& net = {});
 // Stock FSDP2's reduce-scatter input: one fp32 full-group buffer, W x sum_i S_i x 4 bytes per rank.
 std::size_t stock_rs_buffer_bytes(const BucketLayout& layout);
 

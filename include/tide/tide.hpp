@@ -30,7 +30,7 @@ namespace tide {
 // `delivery` says (unset: default_delivery(layout), plan.hpp).
 class AllGather {
  public:
-  AllGather(const BucketLayout& layout, int rank, uint32_t bucket = 0, const NetOptions& net = {},
+  AllGather(const BucketLayout& layout, int rank, uint32_t bucket = 0, const AcrossNodesOptions& net = {},
             std::optional<Delivery> delivery = std::nullopt)
       : program_(plan_all_gather(layout, rank, bucket, net,
                                  delivery.value_or(default_delivery(layout)))) {}
@@ -54,7 +54,7 @@ class AllGather {
 class ReduceScatter {
  public:
   ReduceScatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
-                uint32_t bucket = 0, const NetOptions& net = {},
+                uint32_t bucket = 0, const AcrossNodesOptions& net = {},
                 std::optional<Delivery> delivery = std::nullopt)
       : program_(plan_reduce_scatter(layout, rank, options, bucket, net,
                                      delivery.value_or(default_delivery(layout)))) {}

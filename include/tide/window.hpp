@@ -57,23 +57,19 @@ class HostWindow {
   uint64_t next_epoch() { return ++epoch_; }
   uint64_t epoch() const { return epoch_; }
 
-  // Maps this rank's data again at the start of `range`, replacing whatever was mapped there. The
-  // alias shares the pages, so a tensor over a fixed address can be backed by whichever pooled
-  // window a bucket holds at the moment.
-  void map_data_into(const class HostAddressRange& range) const;
-
  private:
+  friend class HostAddressRange;  // maps this rank's data (own_fd_)
   HostWindow(int rank, std::size_t data_bytes, std::size_t mapped_bytes);
   int rank_;
   std::size_t data_bytes_;
   std::size_t mapped_bytes_;
-  int own_fd_ = -1;  // kept open for map_data_into; the name itself is unlinked at creation
+  int own_fd_ = -1;  // kept open for HostAddressRange::map_data_of; the name itself is unlinked at creation
   std::vector<std::byte*> maps_;
   uint64_t epoch_ = 0;
 };
 
 // A reserved range of this process's address space (no memory behind it until a window's data is
-// mapped into it with HostWindow::map_data_into). Gives a bucket's unsharded parameters one address
+// mapped into it with map_data_of). Gives a bucket's unsharded parameters one address
 // for the life of the model while the memory behind it comes from a small pool of windows.
 class HostAddressRange {
  public:
@@ -83,6 +79,10 @@ class HostAddressRange {
   HostAddressRange& operator=(const HostAddressRange&) = delete;
   std::byte* base() const { return base_; }
   std::size_t bytes() const { return bytes_; }
+  // Maps `window`'s data (this rank's) at the start of this range, replacing whatever was mapped
+  // there. The alias shares the pages, so a tensor over a fixed address can be backed by whichever
+  // pooled window a bucket holds at the moment.
+  void map_data_of(const HostWindow& window);
 
  private:
   std::byte* base_ = nullptr;

@@ -163,20 +163,20 @@ NB_MODULE(_tide, m) {
       .def_rw("postscale", &ReduceOptions::postscale)
       .def_rw("accumulate", &ReduceOptions::accumulate);
 
-  nb::class_<NetOptions>(m, "NetOptions")
-      .def("__init__", [](NetOptions* o, std::size_t chunk_bytes, int max_chunks_in_flight,
+  nb::class_<AcrossNodesOptions>(m, "AcrossNodesOptions")
+      .def("__init__", [](AcrossNodesOptions* o, std::size_t chunk_bytes, int max_chunks_in_flight,
                           int ring_depth, bool rs_recursive_halving, DType wire_dtype) {
-        new (o) NetOptions{chunk_bytes, max_chunks_in_flight, ring_depth, rs_recursive_halving,
+        new (o) AcrossNodesOptions{chunk_bytes, max_chunks_in_flight, ring_depth, rs_recursive_halving,
                            wire_dtype};
-      }, "chunk_bytes"_a = NetOptions{}.chunk_bytes,
-         "max_chunks_in_flight"_a = NetOptions{}.max_chunks_in_flight,
-         "ring_depth"_a = NetOptions{}.ring_depth, "rs_recursive_halving"_a = false,
-         "wire_dtype"_a = NetOptions{}.wire_dtype)
-      .def_rw("chunk_bytes", &NetOptions::chunk_bytes)
-      .def_rw("max_chunks_in_flight", &NetOptions::max_chunks_in_flight)
-      .def_rw("ring_depth", &NetOptions::ring_depth)
-      .def_rw("rs_recursive_halving", &NetOptions::rs_recursive_halving)
-      .def_rw("wire_dtype", &NetOptions::wire_dtype);
+      }, "chunk_bytes"_a = AcrossNodesOptions{}.chunk_bytes,
+         "max_chunks_in_flight"_a = AcrossNodesOptions{}.max_chunks_in_flight,
+         "ring_depth"_a = AcrossNodesOptions{}.ring_depth, "rs_recursive_halving"_a = false,
+         "wire_dtype"_a = AcrossNodesOptions{}.wire_dtype)
+      .def_rw("chunk_bytes", &AcrossNodesOptions::chunk_bytes)
+      .def_rw("max_chunks_in_flight", &AcrossNodesOptions::max_chunks_in_flight)
+      .def_rw("ring_depth", &AcrossNodesOptions::ring_depth)
+      .def_rw("rs_recursive_halving", &AcrossNodesOptions::rs_recursive_halving)
+      .def_rw("wire_dtype", &AcrossNodesOptions::wire_dtype);
 
   nb::class_<Program>(m, "Program")
       .def_ro("window_bytes", &Program::window_bytes)
@@ -197,17 +197,17 @@ NB_MODULE(_tide, m) {
       .value("cast_to_peers", Delivery::kCastToPeers);
   m.def("default_delivery", &default_delivery, "layout"_a);
   m.def("plan_all_gather",
-        [](const BucketLayout& l, int rank, uint32_t bucket, const NetOptions& net,
+        [](const BucketLayout& l, int rank, uint32_t bucket, const AcrossNodesOptions& net,
            std::optional<Delivery> delivery) {
           return plan_all_gather(l, rank, bucket, net, delivery.value_or(default_delivery(l)));
         },
-        "layout"_a, "rank"_a, "bucket"_a = 0, "net"_a = NetOptions{}, "delivery"_a = nb::none());
+        "layout"_a, "rank"_a, "bucket"_a = 0, "net"_a = AcrossNodesOptions{}, "delivery"_a = nb::none());
   m.def("plan_reduce_scatter",
         [](const BucketLayout& l, int rank, const ReduceOptions& o, uint32_t bucket,
-           const NetOptions& net, std::optional<Delivery> delivery) {
+           const AcrossNodesOptions& net, std::optional<Delivery> delivery) {
           return plan_reduce_scatter(l, rank, o, bucket, net, delivery.value_or(default_delivery(l)));
         },
-        "layout"_a, "rank"_a, "options"_a = ReduceOptions{}, "bucket"_a = 0, "net"_a = NetOptions{},
+        "layout"_a, "rank"_a, "options"_a = ReduceOptions{}, "bucket"_a = 0, "net"_a = AcrossNodesOptions{},
         "delivery"_a = nb::none());
   m.def("verify_programs", &verify_programs, "layout"_a, "programs"_a);
   m.def("default_timeout_ms", [] { return default_timeout().count(); });
@@ -233,12 +233,12 @@ NB_MODULE(_tide, m) {
       .def_prop_ro("epoch", &HostWindow::epoch)
       .def("data_ptr", [](const HostWindow& w, int rank) {
         return reinterpret_cast<uintptr_t>(w.data(rank));
-      }, "rank"_a)
-      .def("map_data_into", &HostWindow::map_data_into, "range"_a);
+      }, "rank"_a);
 
   nb::class_<HostAddressRange>(m, "HostAddressRange")
       .def(nb::init<std::size_t>(), "bytes"_a)
       .def_prop_ro("bytes", &HostAddressRange::bytes)
+      .def("map_data_of", &HostAddressRange::map_data_of, "window"_a, nb::keep_alive<1, 2>())
       .def_prop_ro("ptr", [](const HostAddressRange& r) { return reinterpret_cast<uintptr_t>(r.base()); });
 
   nb::class_<HostExecutor>(m, "HostExecutor")
@@ -259,17 +259,17 @@ NB_MODULE(_tide, m) {
   m.def("cuda_device_available", &cuda_device_available);
   m.def("cuda_device_count", &cuda_device_count);
   nb::enum_<CudaMemory>(m, "CudaMemory").value("malloc", CudaMemory::kMalloc).value("vmm", CudaMemory::kVmm);
-  nb::enum_<CudaReach>(m, "CudaReach").value("node", CudaReach::kNode).value("host", CudaReach::kHost);
+  nb::enum_<CudaWindowScope>(m, "CudaWindowScope").value("node", CudaWindowScope::kNode).value("host", CudaWindowScope::kHost);
   nb::class_<CudaWindow>(m, "CudaWindow")
       .def_static("create",
                   [](Bootstrap& b, std::size_t data_bytes, std::optional<Topology> topology,
-                     CudaMemory memory, CudaReach reach) {
+                     CudaMemory memory, CudaWindowScope scope) {
                     return CudaWindow::create(b, data_bytes,
                                               topology ? *topology : Topology::single_node(b.world()),
-                                              memory, reach);
+                                              memory, scope);
                   },
                   "bootstrap"_a, "data_bytes"_a, "topology"_a = nb::none(),
-                  "memory"_a = CudaMemory::kMalloc, "reach"_a = CudaReach::kNode,
+                  "memory"_a = CudaMemory::kMalloc, "scope"_a = CudaWindowScope::kNode,
                   nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("rank", &CudaWindow::rank)
       .def_prop_ro("world", &CudaWindow::world)
@@ -289,8 +289,8 @@ NB_MODULE(_tide, m) {
       .def_ro("cast_cta_us", &CudaExecutor::Stats::cast_cta_us)
       .def_ro("reduce_cta_us", &CudaExecutor::Stats::reduce_cta_us)
       .def_ro("network_cta_us", &CudaExecutor::Stats::network_cta_us)
-      .def_ro("handoff_cta_us", &CudaExecutor::Stats::handoff_cta_us)
-      .def_ro("handoff_kernels", &CudaExecutor::Stats::handoff_kernels)
+      .def_ro("cast_to_peers_cta_us", &CudaExecutor::Stats::cast_to_peers_cta_us)
+      .def_ro("cast_to_peers_kernels", &CudaExecutor::Stats::cast_to_peers_kernels)
       .def_ro("network_groups", &CudaExecutor::Stats::network_groups)
       .def_ro("copies", &CudaExecutor::Stats::copies)
       .def_ro("copies_2d", &CudaExecutor::Stats::copies_2d)

@@ -17,7 +17,7 @@ from ._tide import (  # noqa: F401
     HostExecutor,
     HostWindow,
     NcclComm,
-    NetOptions,
+    AcrossNodesOptions,
     ParamLayout,
     ParamSpec,
     Program,
@@ -40,6 +40,6 @@ from ._tide import (  # noqa: F401
 
 if cuda_built:
     from ._tide import (  # noqa: F401
-        CudaAddressRange, CudaExecutor, CudaMemory, CudaReach, CudaStats, CudaWindow)
+        CudaAddressRange, CudaExecutor, CudaMemory, CudaWindowScope, CudaStats, CudaWindow)
 
 __version__ = "0.1.0"

@@ -162,7 +162,7 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
     } else if (const auto* send = std::get_if<NetSendOp>(&step.op)) {
       CHECK(net_supported, detail::concat("steps[", i, "]"), "a NetSendOp",
             "no network ops: this executor has no network transport (a CudaExecutor needs an "
-            "NcclComm, or a window created with CudaReach::kHost)");
+            "NcclComm, or a window created with CudaWindowScope::kHost)");
       CHECK(send->peer >= 0 && send->peer < world && send->peer != rank,
             detail::concat("steps[", i, "].peer"), send->peer,
             detail::concat("a rank in [0, ", world, ") other than ", rank));
@@ -176,7 +176,7 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
     } else if (const auto* recv = std::get_if<NetRecvOp>(&step.op)) {
       CHECK(net_supported, detail::concat("steps[", i, "]"), "a NetRecvOp",
             "no network ops: this executor has no network transport (a CudaExecutor needs an "
-            "NcclComm, or a window created with CudaReach::kHost)");
+            "NcclComm, or a window created with CudaWindowScope::kHost)");
       CHECK(recv->peer >= 0 && recv->peer < world && recv->peer != rank,
             detail::concat("steps[", i, "].peer"), recv->peer,
             detail::concat("a rank in [0, ", world, ") other than ", rank));
@@ -194,7 +194,7 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
       CHECK(reduce->param >= 0 && reduce->param < program.num_params,
             detail::concat("steps[", i, "].param"), reduce->param,
             detail::concat("in [0, ", program.num_params, ")"));
-      if (has_net)  // multi-node plans reduce local ranks' chunks and received partials
+      if (has_net)  // across-node plans reduce local ranks' chunks and received partials
         CHECK(!reduce->sources.empty() && reduce->sources.size() <= static_cast<std::size_t>(world),
               detail::concat("steps[", i, "].sources.size()"), reduce->sources.size(),
               detail::concat("in [1, ", world, "]"));
@@ -211,10 +211,10 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
       if (reduce->partial) {
         CHECK(has_net && reduce->partial->space == Space::kWindow && reduce->partial->index == rank,
               detail::concat("steps[", i, "].partial"), "set",
-              "unset (single node) or in the own window (multi-node)");
+              "unset (single node) or in the own window (across-node)");
         CHECK(reduce->partial_dtype == DType::kFP32 || reduce->partial_dtype == DType::kBF16,
               detail::concat("steps[", i, "].partial_dtype"), dtype_name(reduce->partial_dtype),
-              "fp32 or bf16 (NetOptions::wire_dtype)");
+              "fp32 or bf16 (AcrossNodesOptions::wire_dtype)");
         const std::size_t size = dtype_size(reduce->partial_dtype);
         CHECK(reduce->partial->offset % size == 0, detail::concat("steps[", i, "].partial.offset"),
               reduce->partial->offset,

@@ -1,4 +1,4 @@
-// Multi-node plans (W = nodes x local): the paced recursive-doubling all-gather between rail peers,
+// Across-node plans (W = nodes x local): the paced recursive-doubling all-gather between rail peers,
 // the staging the reduce-scatter needs, and what both share; the two-phase reduce-scatter itself is
 // net_reduce_scatter.cpp. See plan.hpp and docs/DESIGN.md §2.
 #include <algorithm>
@@ -18,7 +18,7 @@ using detail::win;
 
 }  // namespace
 
-void detail::check_net(const NetOptions& net, const char* where) {
+void detail::check_net(const AcrossNodesOptions& net, const char* where) {
   TIDE_CHECK_ARG(net.chunk_bytes >= 16 && net.chunk_bytes % 16 == 0 &&
                      net.chunk_bytes <= BucketLayout::kMaxWindowBytes,
                  where, "net.chunk_bytes", net.chunk_bytes, "a multiple of 16 in [16, 2^48]");
@@ -85,13 +85,13 @@ void add_exchange(Program& program, int peer, const std::vector<Piece>& sends,
 
 }  // namespace
 
-int64_t detail::rs_chunk_elems(const BucketLayout& layout, const NetOptions& net) {
+int64_t detail::rs_chunk_elems(const BucketLayout& layout, const AcrossNodesOptions& net) {
   int64_t max_shard = 1;
   for (const ParamLayout& p : layout.params()) max_shard = std::max(max_shard, p.shard_numel);
   return std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(net.chunk_bytes / 4), max_shard));
 }
 
-std::size_t rs_staging_bytes(const BucketLayout& layout, const NetOptions& net) {
+std::size_t rs_staging_bytes(const BucketLayout& layout, const AcrossNodesOptions& net) {
   check_net(net, "rs_staging_bytes");
   if (layout.topology().nodes <= 1) return 0;
   const std::size_t chunk = round_up(detail::rs_chunk_elems(layout, net) * 4, kStagingAlign);
@@ -109,12 +109,12 @@ std::size_t stock_rs_buffer_bytes(const BucketLayout& layout) {
 }
 
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
-                        const NetOptions& net) {
+                        const AcrossNodesOptions& net) {
   return plan_all_gather(layout, rank, bucket, net, default_delivery(layout));
 }
 
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket,
-                        const NetOptions& net, Delivery delivery) {
+                        const AcrossNodesOptions& net, Delivery delivery) {
   const Topology& t = layout.topology();
   detail::check_delivery(layout, delivery, "plan_all_gather");
   if (t.nodes <= 1) return detail::plan_all_gather_one_node(layout, rank, bucket, delivery);

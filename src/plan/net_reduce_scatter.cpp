@@ -1,4 +1,4 @@
-// The multi-node reduce-scatter (W = nodes x local), in two phases: node-local accumulation (every
+// The across-node reduce-scatter (W = nodes x local), in two phases: node-local accumulation (every
 // rank pushes the chunks destined to rail q into local rank q's window), then, between rail peers,
 // a chunked ring of partial sums (the default) or recursive halving (an option, power-of-two
 // nodes), fp32 or bf16 on the wire, through a fixed staging area after the window's data. See
@@ -20,7 +20,7 @@ using detail::win;
 class NetReduceScatterPlanner {
  public:
   NetReduceScatterPlanner(Program& program, const BucketLayout& layout,
-                          const ReduceOptions& options, const NetOptions& net)
+                          const ReduceOptions& options, const AcrossNodesOptions& net)
       : program_(program), params_(layout.params()), options_(options), net_(net),
         t_(layout.topology()), N_(t_.nodes), L_(t_.local), rank_(program.rank),
         n_(t_.node_of(rank_)), l_(t_.local_rank_of(rank_)),
@@ -53,7 +53,7 @@ class NetReduceScatterPlanner {
   Program& program_;
   const std::vector<ParamLayout>& params_;
   const ReduceOptions& options_;
-  const NetOptions& net_;
+  const AcrossNodesOptions& net_;
   const Topology& t_;
   const int N_, L_, rank_, n_, l_;
   const std::size_t base_;
@@ -249,12 +249,12 @@ void NetReduceScatterPlanner::add_ring() {
 }  // namespace
 
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
-                            uint32_t bucket, const NetOptions& net) {
+                            uint32_t bucket, const AcrossNodesOptions& net) {
   return plan_reduce_scatter(layout, rank, options, bucket, net, default_delivery(layout));
 }
 
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
-                            uint32_t bucket, const NetOptions& net, Delivery delivery) {
+                            uint32_t bucket, const AcrossNodesOptions& net, Delivery delivery) {
   const Topology& t = layout.topology();
   detail::check_delivery(layout, delivery, "plan_reduce_scatter");
   if (t.nodes <= 1)

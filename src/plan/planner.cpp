@@ -59,7 +59,7 @@ void detail::check_delivery(const BucketLayout& layout, Delivery delivery, const
   const int nodes = layout.topology().nodes;
   TIDE_CHECK_ARG(nodes <= 1 || delivery == Delivery::kPush, where, "delivery",
                  delivery_name(delivery),
-                 detail::concat("push with ", nodes, " nodes (multi-node plans push)"));
+                 detail::concat("push with ", nodes, " nodes (across-node plans push)"));
 }
 
 void detail::check_dim0_sharding(const BucketLayout& layout, const char* where) {
@@ -67,7 +67,7 @@ void detail::check_dim0_sharding(const BucketLayout& layout, const char* where) 
     TIDE_CHECK_ARG(p.shard_dim == 0, where, detail::concat("param '", p.name, "' shard_dim"),
                    p.shard_dim,
                    detail::concat("0 with ", layout.topology().nodes,
-                                  " nodes (multi-node plans shard on dim 0 only)"));
+                                  " nodes (across-node plans shard on dim 0 only)"));
 }
 
 namespace {
@@ -132,12 +132,12 @@ CopyOp chunk_push(const ParamLayout& p, int i, int q, int from) {
 }  // namespace
 
 Program plan_all_gather(const BucketLayout& layout, int rank, uint32_t bucket) {
-  return plan_all_gather(layout, rank, bucket, NetOptions{}, default_delivery(layout));
+  return plan_all_gather(layout, rank, bucket, AcrossNodesOptions{}, default_delivery(layout));
 }
 
 Program plan_reduce_scatter(const BucketLayout& layout, int rank, const ReduceOptions& options,
                             uint32_t bucket) {
-  return plan_reduce_scatter(layout, rank, options, bucket, NetOptions{}, default_delivery(layout));
+  return plan_reduce_scatter(layout, rank, options, bucket, AcrossNodesOptions{}, default_delivery(layout));
 }
 
 namespace detail {

@@ -1,4 +1,4 @@
-// Static checker for multi-node program sets (topology with nodes > 1): runs every program
+// Static checker for across-node program sets (topology with nodes > 1): runs every program
 // symbolically under the network semantics of plan.hpp (posted sends completing when received, at
 // most kNetQueueDepth outstanding per sender/receiver/channel, writes over an outstanding send's
 // source waiting for it, programs ending when their sends are received) and tracks what every byte
@@ -86,7 +86,7 @@ void detail::verify_net_programs(const BucketLayout& layout, const std::vector<P
   if (world > kMaxTrackedWorld)
     throw Error(detail::concat("verify_programs: W = ", world, " > ", kMaxTrackedWorld));
   if (layout.has_inner_shard_dims())
-    throw Error("verify_programs: a multi-node layout with a param sharded on a dim > 0 (multi-node "
+    throw Error("verify_programs: a across-node layout with a param sharded on a dim > 0 (across-node "
                 "plans shard on dim 0 only)");
   const Collective collective = programs[0].collective;
   const bool ag = collective == Collective::kAllGather;
@@ -148,7 +148,7 @@ void detail::verify_net_programs(const BucketLayout& layout, const std::vector<P
                 fail(program, s, "cast is not the param's shard (source, count, padding, dtypes or rows)");
             } else if constexpr (std::is_same_v<T, CopyBatch>) {
               for (const CopyOp& c : op.copies) {
-                if (c.rows != 1) fail(program, s, "a 2-D copy in a multi-node set (dim-0 sharding only)");
+                if (c.rows != 1) fail(program, s, "a 2-D copy in a across-node set (dim-0 sharding only)");
                 bounds(c.src, c.bytes, "copy source");
                 bounds(c.dst, c.bytes, "copy destination");
                 if (c.dst.space == Space::kWindow && c.dst.index == r) {

@@ -1,5 +1,5 @@
 // CudaWindow: one allocation per rank, [data][FlagWord flags[2][W]][NetOutbox mailboxes[2][W]],
-// mapped into every peer of its node (every rank for CudaReach::kHost); CudaAddressRange: a fixed address showing a VMM window's data. Compiled into tide_cuda
+// mapped into every peer of its node (every rank for CudaWindowScope::kHost); CudaAddressRange: a fixed address showing a VMM window's data. Compiled into tide_cuda
 // (tide_core stays free of CUDA).
 //
 // kMalloc: cudaMalloc, data rounded up to 256 B, shared with CUDA IPC. A peer with this process's
@@ -33,7 +33,7 @@ constexpr std::size_t kDataAlignment = 256;
 
 using detail::round_up;
 
-// Flags, then the IPC network's mailboxes (at their alignment), then the handoff kernel's CTA
+// Flags, then the IPC network's mailboxes (at their alignment), then the cast-to-peers kernel's CTA
 // counter: what follows a window's data, zeroed at creation.
 std::size_t mailbox_offset(int world) { return round_up(flag_array_bytes(world), alignof(NetOutbox)); }
 std::size_t arrivals_offset(int world) {
@@ -158,7 +158,7 @@ void unmap_vmm(std::byte* base, std::size_t bytes) {
 
 std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t data_bytes,
                                                const Topology& topology, CudaMemory memory,
-                                               CudaReach reach) {
+                                               CudaWindowScope scope) {
   const char* where = "CudaWindow::create";
   const int rank = bootstrap.rank();
   const int world = bootstrap.world();
@@ -173,7 +173,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
   window->world_ = world;
   window->data_bytes_ = data_bytes;
   window->memory_ = memory;
-  window->reach_ = reach;
+  window->scope_ = scope;
   window->peers_.assign(world, Peer{});
   window->net_sent_.assign(static_cast<std::size_t>(kNetChannels) * world, 0);
   window->net_received_.assign(static_cast<std::size_t>(kNetChannels) * world, 0);
@@ -234,7 +234,7 @@ std::unique_ptr<CudaWindow> CudaWindow::create(Bootstrap& bootstrap, std::size_t
 
   std::vector<int> mapped_peers;
   for (int r = 0; r < world; ++r) {
-    if (r == rank || (reach == CudaReach::kNode && topology.node_of(r) != topology.node_of(rank)))
+    if (r == rank || (scope == CudaWindowScope::kNode && topology.node_of(r) != topology.node_of(rank)))
       continue;
     std::size_t theirs = 0;
     uint64_t token = 0;

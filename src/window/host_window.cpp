@@ -67,13 +67,13 @@ HostWindow::~HostWindow() {
   if (own_fd_ >= 0) ::close(own_fd_);
 }
 
-void HostWindow::map_data_into(const HostAddressRange& range) const {
-  const std::size_t bytes = (data_bytes_ + page_size() - 1) / page_size() * page_size();
-  TIDE_CHECK_ARG(range.bytes() >= bytes, "HostWindow::map_data_into", "range.bytes()",
-                 range.bytes(), detail::concat(">= ", bytes, " (the window's data, in pages)"));
-  void* p = ::mmap(range.base(), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, own_fd_, 0);
+void HostAddressRange::map_data_of(const HostWindow& window) {
+  const std::size_t bytes = (window.data_bytes_ + page_size() - 1) / page_size() * page_size();
+  TIDE_CHECK_ARG(bytes_ >= bytes, "HostAddressRange::map_data_of", "bytes()", bytes_,
+                 detail::concat(">= ", bytes, " (the window's data, in pages)"));
+  void* p = ::mmap(base_, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, window.own_fd_, 0);
   if (p == MAP_FAILED)
-    throw SystemError(detail::concat("HostWindow::map_data_into(", static_cast<void*>(range.base()),
+    throw SystemError(detail::concat("HostAddressRange::map_data_of(", static_cast<void*>(base_),
                                      ", ", bytes, " B): ", std::strerror(errno)));
 }
 

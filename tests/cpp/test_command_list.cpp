@@ -28,14 +28,14 @@ struct Lowered {
 };
 
 // Rank 0's reduce-scatter of `num_params` params of shape {rows, cols} bf16 at W = 2, each
-// gradient and output its own allocation, as the executor lowers it without a handoff kernel.
+// gradient and output its own allocation, as the executor lowers it without a cast-to-peers kernel.
 Lowered lower_reduce_scatter(int num_params, int64_t rows, int64_t cols, Delivery delivery) {
   std::vector<ParamSpec> specs;
   for (int i = 0; i < num_params; ++i)
     specs.push_back({"p" + std::to_string(i), {rows, cols}, DType::kBF16, DType::kFP32});
   const BucketLayout layout(specs, Topology{1, 2});
   Lowered out;
-  out.program = plan_reduce_scatter(layout, 0, ReduceOptions{}, 1, NetOptions{}, delivery);
+  out.program = plan_reduce_scatter(layout, 0, ReduceOptions{}, 1, AcrossNodesOptions{}, delivery);
   Bindings bindings;
   uintptr_t next = 0;
   const std::vector<std::byte*> windows{allocation(next++), allocation(next++)};
@@ -100,7 +100,7 @@ TEST(CommandList, KernelTakesOnlyTheManySmallCopies) {
     EXPECT_EQ(copies[k].bytes < lowering::kMinEngineCopyBytes, k < 5) << k;
 }
 
-// A multi-node reduce-scatter's ring sums the partial it just received into what it reduced
+// A across-node reduce-scatter's ring sums the partial it just received into what it reduced
 // before: no reduce kernel may hold a reduce that reads or writes what another of it writes
 // (checked pair by pair here), and every reduce step is in exactly one kernel.
 TEST(CommandList, ReduceKernelsHoldNoDependentReduces) {
@@ -109,7 +109,7 @@ TEST(CommandList, ReduceKernelsHoldNoDependentReduces) {
     specs.push_back({"p" + std::to_string(i), {64 + 8 * i, 96}, DType::kBF16, DType::kFP32});
   const BucketLayout layout(specs, Topology{2, 2});
   for (int rank = 0; rank < 4; ++rank) {
-    const Program program = plan_reduce_scatter(layout, rank, ReduceOptions{}, 1, NetOptions{});
+    const Program program = plan_reduce_scatter(layout, rank, ReduceOptions{}, 1, AcrossNodesOptions{});
     Bindings bindings;
     uintptr_t next = 0;
     std::vector<std::byte*> windows;

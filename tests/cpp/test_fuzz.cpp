@@ -91,7 +91,7 @@ struct LayoutCase {
 };
 
 // inner_shard_dims: some params of 2 or more dims sharded on a dim > 0 that W divides (one node
-// only: multi-node plans refuse them).
+// only: across-node plans refuse them).
 std::vector<ParamSpec> small_specs(Rng& rng, int world, bool inner_shard_dims) {
   std::vector<ParamSpec> specs(uniform(rng, 1, 5));
   for (std::size_t i = 0; i < specs.size(); ++i) {
@@ -237,7 +237,7 @@ TEST(Fuzz, LayoutsAndPlans) {
       if (const std::string bad = check_layout(layout); !bad.empty()) t.fail(i, bad);
       if (i % 3 != 0) continue;  // a third of the valid layouts: plan every rank, verify
       const uint32_t bucket = static_cast<uint32_t>(uniform(rng, 0, (int64_t{1} << 31) - 1));
-      // One node: either delivery (multi-node plans push).
+      // One node: either delivery (across-node plans push).
       const Delivery delivery = layout.topology().nodes == 1 && chance(rng, 0.5)
                                     ? Delivery::kCastToPeers
                                     : Delivery::kPush;

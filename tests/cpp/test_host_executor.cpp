@@ -25,7 +25,7 @@ std::vector<std::vector<std::byte>> ag_then_rs(const BucketLayout& layout, uint6
     std::mt19937 rng(seed * 31 + rank);
     auto window = HostWindow::create(bootstrap, layout.window_bytes());
     HostExecutor executor(*window, std::chrono::milliseconds(20000));
-    AllGather ag(layout, rank, 3, NetOptions{}, delivery);
+    AllGather ag(layout, rank, 3, AcrossNodesOptions{}, delivery);
     ReduceScatter rs(layout, rank, o, 3);
     std::vector<Buffer> shards, grads, outs;
     std::vector<const void*> shard_ptrs, grad_ptrs;
@@ -234,17 +234,17 @@ TEST(HostAddressRange, AliasesWhicheverWindowIsMappedIntoIt) {
     auto a = HostWindow::create(bootstrap, 10000);
     auto b = HostWindow::create(bootstrap, 10000);
     HostAddressRange range(10000);
-    a->map_data_into(range);
+    range.map_data_of(*a);
     std::memset(a->data(0), 1, 10000);
     EXPECT_EQ(range.base()[9999], std::byte{1});
     range.base()[5] = std::byte{7};
     EXPECT_EQ(a->data(0)[5], std::byte{7});
-    b->map_data_into(range);
+    range.map_data_of(*b);
     std::memset(b->data(0), 2, 10000);
     EXPECT_EQ(range.base()[0], std::byte{2});
     EXPECT_EQ(a->data(0)[0], std::byte{1});  // a untouched
     HostAddressRange small(100);
-    EXPECT_THROW(a->map_data_into(small), InvalidArgument);
+    EXPECT_THROW(small.map_data_of(*a), InvalidArgument);
   });
 }
 

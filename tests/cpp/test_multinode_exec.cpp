@@ -1,4 +1,4 @@
-// Multi-node collectives on the host executor, ranks as threads grouped into virtual nodes; the
+// Across-node collectives on the host executor, ranks as threads grouped into virtual nodes; the
 // network ops run over the host network transport (shared-memory outboxes standing in for NCCL).
 #include <gtest/gtest.h>
 
@@ -15,14 +15,14 @@ namespace {
 
 struct Case {
   Topology topology;
-  NetOptions net;
+  AcrossNodesOptions net;
 };
 
 // AG then RS `repeats` times over one window per rank; AG bitwise, RS within 1e-6 of fp64 (with
 // bf16 partials on the wire: within one bf16 rounding per node of each element's magnitude);
 // returns every rank's RS outputs of each repeat.
 std::vector<std::vector<std::vector<std::byte>>> run_case(const BucketLayout& layout,
-                                                          const NetOptions& net, uint64_t seed,
+                                                          const AcrossNodesOptions& net, uint64_t seed,
                                                           int repeats, const ReduceOptions& o = {}) {
   const int world = layout.world();
   std::vector<std::vector<std::vector<std::byte>>> outs(world);
@@ -93,7 +93,7 @@ TEST(MultinodeExec, TwoNodesOfOneRankEqualOneNodeBitwise) {
   for (const bool halving : {false, true})
     for (int iter = 0; iter < 3; ++iter) {
       const auto specs = test::random_specs(rng, 2, 4, 1 << 11);
-      const NetOptions net{256, 2, 2, halving};
+      const AcrossNodesOptions net{256, 2, 2, halving};
       const auto two_nodes = run_case(BucketLayout(specs, Topology{2, 1}), net, 40 + iter, 1);
       const auto one_node = run_case(BucketLayout(specs, Topology::single_node(2)), net, 40 + iter, 1);
       for (int r = 0; r < 2; ++r) EXPECT_EQ(two_nodes[r][0], one_node[r][0]) << "rank " << r;
@@ -111,7 +111,7 @@ TEST(MultinodeExec, OneRankPerNodeRingSumsInRingOrderBitwise) {
   for (const int N : {3, 5})
     for (const DType wire : {DType::kFP32, DType::kBF16}) {
       const BucketLayout layout(test::random_specs(rng, N, 3, 1 << 10), Topology{N, 1});
-      NetOptions net{128, 2, 2};
+      AcrossNodesOptions net{128, 2, 2};
       net.wire_dtype = wire;
       const uint64_t seed = 70 + N;
       const auto outs = run_case(layout, net, seed, 1, o);
@@ -145,9 +145,9 @@ TEST(MultinodeExec, Bf16WireHalvesThePartialBytesAndRoundsThem) {
   // and the rounding shows in the result (lossy, as documented), within its bound (run_case).
   const std::vector<ParamSpec> specs = {{"w", {64, 48}, DType::kBF16}, {"b", {40}, DType::kBF16}};
   const BucketLayout layout(specs, Topology{2, 2});
-  NetOptions fp32{512, 2, 2}, bf16 = fp32;
+  AcrossNodesOptions fp32{512, 2, 2}, bf16 = fp32;
   bf16.wire_dtype = DType::kBF16;
-  auto wire = [&](const NetOptions& net) {
+  auto wire = [&](const AcrossNodesOptions& net) {
     std::size_t bytes = 0;
     for (const Step& s : plan_reduce_scatter(layout, 0, {}, 1, net).steps)
       if (const auto* x = std::get_if<NetSendOp>(&s.op)) bytes += x->bytes;
@@ -163,13 +163,13 @@ TEST(MultinodeExec, Bf16WireHalvesThePartialBytesAndRoundsThem) {
 TEST(MultinodeExec, LlamaLikeBucketFp32Within1e6) {
   // bf16 params with fp32 masters, several chunks per param, 3 x 4 virtual nodes.
   BucketLayout layout({{"q", {96, 40}}, {"norm", {40}}, {"up", {130, 24}}}, Topology{3, 4});
-  run_case(layout, NetOptions{1024, 4, 2}, 5, 1);
+  run_case(layout, AcrossNodesOptions{1024, 4, 2}, 5, 1);
 }
 
 TEST(MultinodeExec, MissingRailPeerTimesOutNamingTheTransfer) {
   BucketLayout layout({{"w", {16, 4}}}, Topology{2, 2});
   const int world = 4;
-  const std::size_t bytes = plan_all_gather(layout, 0, 4, NetOptions{}).window_bytes;
+  const std::size_t bytes = plan_all_gather(layout, 0, 4, AcrossNodesOptions{}).window_bytes;
   std::vector<std::unique_ptr<HostWindow>> windows(world);  // rank 3's outlives the others' waits
   const std::vector<std::string> reports = harness::run_rank_threads(
       world,
@@ -179,7 +179,7 @@ TEST(MultinodeExec, MissingRailPeerTimesOutNamingTheTransfer) {
         if (r == 3) return;  // rank 3 (node 1) never runs the collective
         HostExecutor ex(*windows[r], std::chrono::milliseconds(300));
         test::RankBuffers b(layout, Collective::kAllGather, r, 1);
-        ex.run(plan_all_gather(layout, r, 4, NetOptions{}), b.bindings);
+        ex.run(plan_all_gather(layout, r, 4, AcrossNodesOptions{}), b.bindings);
       },
       std::chrono::seconds(10));
   // Rank 1 (node 0, local 1) has rail peer 3: its network wait times out and says where.
@@ -199,7 +199,7 @@ TEST(MultinodeExec, DesyncedBucketsOnTheNetworkFail) {
     HostExecutor ex(*window, std::chrono::milliseconds(2000));
     test::RankBuffers b(layout, Collective::kAllGather, r, 1);
     try {
-      ex.run(plan_all_gather(layout, r, r == 0 ? 1 : 2, NetOptions{}), b.bindings);
+      ex.run(plan_all_gather(layout, r, r == 0 ? 1 : 2, AcrossNodesOptions{}), b.bindings);
     } catch (const Error& e) {
       errors[r] = e.what();
     }
@@ -209,7 +209,7 @@ TEST(MultinodeExec, DesyncedBucketsOnTheNetworkFail) {
       << errors[0] << "\n" << errors[1];
 }
 
-// Soundness of the multi-node verifier: random corruptions of valid sets are rejected with
+// Soundness of the across-node verifier: random corruptions of valid sets are rejected with
 // tide::Error, and every set it accepts passes validate_run and runs to the right result on the host
 // executor (a sample; a hang would show as a timeout).
 void corrupt(std::mt19937_64& rng, std::vector<Program>& set) {
@@ -263,7 +263,7 @@ TEST(MultinodeExec, VerifierAcceptsOnlySetsThatRunRight) {
     const Topology t = topologies[i % 5];
     BucketLayout layout(test::random_specs(rng, t.world(), 3, 1 << 9), t);
     const Collective c = i % 2 ? Collective::kAllGather : Collective::kReduceScatter;
-    const NetOptions net{64, static_cast<int>(1 + rng() % 3), static_cast<int>(1 + rng() % 3),
+    const AcrossNodesOptions net{64, static_cast<int>(1 + rng() % 3), static_cast<int>(1 + rng() % 3),
                          rng() % 2 == 0};
     std::vector<Program> set;
     for (int r = 0; r < t.world(); ++r)
@@ -302,7 +302,7 @@ TEST(MultinodeExec, VerifierAcceptsOnlySetsThatRunRight) {
 // Ranks as processes (virtual nodes across processes): the outboxes and futex wake-ups of the host
 // network transport work between address spaces; a rail peer that dies is noticed at once.
 std::string process_step(const BucketLayout& layout, int rank, HostExecutor& executor,
-                         HostWindow& window, uint64_t seed, const NetOptions& net) {
+                         HostWindow& window, uint64_t seed, const AcrossNodesOptions& net) {
   for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
     test::RankBuffers b(layout, c, rank, seed);
     const Program p = c == Collective::kAllGather ? plan_all_gather(layout, rank, 1, net)
@@ -323,7 +323,7 @@ TEST(MultinodeExec, VirtualNodesAsProcesses) {
       HostExecutor executor(*window, std::chrono::milliseconds(20000));
       for (int n = 0; n < 5; ++n) {
         BucketLayout layout(test::random_specs(rng, world, 4, 1 << 12), t);
-        const std::string r = process_step(layout, rank, executor, *window, n, NetOptions{256, 2, 2});
+        const std::string r = process_step(layout, rank, executor, *window, n, AcrossNodesOptions{256, 2, 2});
         if (r != "ok") return r;
       }
       return std::string("ok");
@@ -339,10 +339,10 @@ TEST(MultinodeExec, DeadRailPeerIsNoticedByTheNetworkWait) {
   const harness::RankProcesses run = harness::run_rank_processes(4, [&](int rank, Bootstrap& bootstrap) {
     auto window = HostWindow::create(bootstrap, 1 << 16);
     HostExecutor executor(*window, std::chrono::milliseconds(5000));
-    std::string r = process_step(layout, rank, executor, *window, 1, NetOptions{});
+    std::string r = process_step(layout, rank, executor, *window, 1, AcrossNodesOptions{});
     if (r != "ok") return r;
     if (rank == 3) ::kill(::getpid(), SIGKILL);  // dies between collectives
-    return process_step(layout, rank, executor, *window, 2, NetOptions{});
+    return process_step(layout, rank, executor, *window, 2, AcrossNodesOptions{});
   });
   // Rank 1 is rank 3's rail peer: it waits for rank 3 in the network part of the all-gather.
   const std::string& m = run.reports[1];
@@ -364,7 +364,7 @@ namespace {
 // window from the program (the reduce-scatter's adds the staging ring), and run on the host.
 TEST(MultinodeExec, ApiClassesSizeTheirWindowsAndRun) {
   const BucketLayout layout({{"w", {37, 24}}, {"b", {5}}}, Topology{2, 2});
-  const NetOptions net{256, 2, 2};
+  const AcrossNodesOptions net{256, 2, 2};
   const ReduceOptions options;
   EXPECT_EQ(AllGather(layout, 0, 1, net).window_bytes(), layout.window_bytes());
   EXPECT_GT(ReduceScatter(layout, 0, options, 2, net).window_bytes(), layout.window_bytes());

@@ -1,4 +1,4 @@
-// Multi-node plans (W = nodes x local, virtual nodes): paced recursive-doubling all-gather and the
+// Across-node plans (W = nodes x local, virtual nodes): paced recursive-doubling all-gather and the
 // two-phase reduce-scatter, checked statically by verify_programs over random buckets; the verifier
 // rejects broken sets; reduce-scatter staging is constant in W at fixed per-rank output.
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@ namespace {
 
 const Topology kTopologies[] = {{2, 4}, {4, 2}, {8, 1}, {3, 2}, {3, 4}, {5, 1}, {6, 2}, {2, 1}};
 
-std::vector<Program> plans(const BucketLayout& layout, Collective c, const NetOptions& net,
+std::vector<Program> plans(const BucketLayout& layout, Collective c, const AcrossNodesOptions& net,
                            const ReduceOptions& o = {}) {
   std::vector<Program> out;
   for (int r = 0; r < layout.world(); ++r)
@@ -23,14 +23,14 @@ std::vector<Program> plans(const BucketLayout& layout, Collective c, const NetOp
 
 TEST(MultinodePlan, VerifiesRandomBucketsOnEveryTopology) {
   std::mt19937_64 rng(2026);
-  const NetOptions nets[] = {{},           {256, 1, 1},       {64, 2, 3},       {1024, 16, 16},
+  const AcrossNodesOptions nets[] = {{},           {256, 1, 1},       {64, 2, 3},       {1024, 16, 16},
                              {64, 2, 3, true}, {256, 1, 1, true},  // RS by recursive halving
                              {64, 2, 2, false, DType::kBF16}, {128, 2, 2, true, DType::kBF16}};
   int checked = 0;
   for (const Topology& t : kTopologies)
     for (int iter = 0; iter < 40; ++iter) {
       BucketLayout layout(test::random_specs(rng, t.world(), 4, 1 << 12), t);
-      const NetOptions& net = nets[iter % 8];
+      const AcrossNodesOptions& net = nets[iter % 8];
       for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
         const auto set = plans(layout, c, net);
         ASSERT_NO_THROW(verify_programs(layout, set))
@@ -43,7 +43,7 @@ TEST(MultinodePlan, VerifiesRandomBucketsOnEveryTopology) {
 
 TEST(MultinodePlan, AllGatherShape) {
   BucketLayout layout({{"w", {48, 8}}, {"b", {8}}}, Topology{3, 2});
-  const NetOptions net{64, 2, 2};
+  const AcrossNodesOptions net{64, 2, 2};
   const Program p = plan_all_gather(layout, 0, 1, net);
   const std::string s = p.to_string();
   EXPECT_NE(s.find("net send"), std::string::npos) << s;
@@ -74,7 +74,7 @@ TEST(MultinodePlan, OneRankPerNodeSendsTheRawGradientFirst) {
   for (const bool halving : {false, true})
     for (const Topology t : {Topology{2, 1}, Topology{4, 1}, Topology{2, 2}}) {
       BucketLayout layout({{"w", {64, 32}, DType::kBF16}}, t);
-      NetOptions net{1024, 2, 2, halving};
+      AcrossNodesOptions net{1024, 2, 2, halving};
       const Program p = plan_reduce_scatter(layout, 0, {}, 1, net);
       std::size_t first_send = 0, sent = 0, staged = 0, reduces_before_first_send = 0;
       for (const Step& step : p.steps) {
@@ -109,13 +109,13 @@ TEST(MultinodePlan, OneRankPerNodeSendsTheRawGradientFirst) {
 
 TEST(MultinodePlan, OneNodeIsTheSingleNodePlan) {
   BucketLayout layout({{"w", {16, 4}}}, Topology{1, 4});
-  EXPECT_EQ(plan_all_gather(layout, 1, 0, NetOptions{}).to_string(), plan_all_gather(layout, 1, 0).to_string());
+  EXPECT_EQ(plan_all_gather(layout, 1, 0, AcrossNodesOptions{}).to_string(), plan_all_gather(layout, 1, 0).to_string());
   EXPECT_EQ(rs_staging_bytes(layout), 0u);
 }
 
 TEST(MultinodePlan, VerifierRejectsBrokenSets) {
   BucketLayout layout({{"w", {24, 8}}, {"b", {12}}}, Topology{3, 2});
-  const NetOptions net{64, 2, 2};
+  const AcrossNodesOptions net{64, 2, 2};
   for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
     const auto good = plans(layout, c, net);
     verify_programs(layout, good);
@@ -213,12 +213,12 @@ BucketLayout fixed_output_layout(Topology t) {
 }
 
 TEST(MultinodePlan, StagingIsConstantInW) {
-  const NetOptions net;  // 1 MiB chunks, ring of 4
+  const AcrossNodesOptions net;  // 1 MiB chunks, ring of 4
   std::size_t first = 0;
   for (int w : {16, 32, 64}) {
     const BucketLayout layout = fixed_output_layout(Topology{w / 8, 8});
     const std::size_t tide = rs_staging_bytes(layout, net);
-    NetOptions halving = net;
+    AcrossNodesOptions halving = net;
     halving.rs_recursive_halving = true;
     EXPECT_EQ(rs_staging_bytes(layout, halving), tide) << "W = " << w;
     EXPECT_EQ(plan_reduce_scatter(layout, 0, {}, 0, halving).window_bytes,
@@ -239,13 +239,13 @@ TEST(MultinodePlan, StagingIsConstantInW) {
   EXPECT_EQ(first, (2 + 4) * (std::size_t{512} << 10));
 }
 
-TEST(MultinodePlan, RejectsBadNetOptions) {
+TEST(MultinodePlan, RejectsBadAcrossNodesOptions) {
   BucketLayout layout({{"w", {8}}}, Topology{2, 2});
-  EXPECT_THROW(plan_all_gather(layout, 0, 0, NetOptions{10, 1, 1}), InvalidArgument);
-  EXPECT_THROW(plan_all_gather(layout, 0, 0, NetOptions{64, 0, 1}), InvalidArgument);
-  EXPECT_THROW(plan_reduce_scatter(layout, 0, {}, 0, NetOptions{64, 1, kNetQueueDepth + 1}), InvalidArgument);
+  EXPECT_THROW(plan_all_gather(layout, 0, 0, AcrossNodesOptions{10, 1, 1}), InvalidArgument);
+  EXPECT_THROW(plan_all_gather(layout, 0, 0, AcrossNodesOptions{64, 0, 1}), InvalidArgument);
+  EXPECT_THROW(plan_reduce_scatter(layout, 0, {}, 0, AcrossNodesOptions{64, 1, kNetQueueDepth + 1}), InvalidArgument);
   try {
-    plan_reduce_scatter(layout, 0, {}, 0, NetOptions{64, 1, 1, false, DType::kFP16});
+    plan_reduce_scatter(layout, 0, {}, 0, AcrossNodesOptions{64, 1, 1, false, DType::kFP16});
     FAIL() << "accepted an fp16 wire";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("wire_dtype"), std::string::npos) << e.what();
@@ -254,11 +254,11 @@ TEST(MultinodePlan, RejectsBadNetOptions) {
 }
 
 // Executors without a network transport (a CUDA executor with neither an NcclComm nor a
-// CudaReach::kHost window: validate_run's default) reject network ops before anything runs, saying
+// CudaWindowScope::kHost window: validate_run's default) reject network ops before anything runs, saying
 // what would give them one.
 TEST(MultinodePlan, ExecutorsWithoutTransportRejectNetworkOps) {
   BucketLayout layout({{"w", {16, 4}}}, Topology{2, 2});
-  const Program p = plan_all_gather(layout, 0, 0, NetOptions{});
+  const Program p = plan_all_gather(layout, 0, 0, AcrossNodesOptions{});
   test::RankBuffers b(layout, Collective::kAllGather, 0, 1);
   alignas(256) static std::byte window[4096];
   try {
@@ -267,7 +267,7 @@ TEST(MultinodePlan, ExecutorsWithoutTransportRejectNetworkOps) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("no network transport"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("NcclComm"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("CudaReach::kHost"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CudaWindowScope::kHost"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(validate_run(p, b.bindings, 0, 4, sizeof window, window, /*net_supported=*/true));
 }

@@ -1,4 +1,4 @@
-// Group schedule (src/executor/net/group_schedule.hpp): how multi-node programs run on a transport
+// Group schedule (src/executor/net/group_schedule.hpp): how across-node programs run on a transport
 // with NCCL's group semantics. Swept over topologies, pacing options and random buckets: every
 // network op is in exactly one group, in program order; no compute step touches a transfer's bytes
 // before the compute stream has waited for its group; and every rank's groups finish when run
@@ -71,14 +71,14 @@ void check_waits(const Program& p, const net::GroupSchedule& s) {
 
 TEST(NetGroups, MultinodePlansScheduleAndNeverDeadlock) {
   std::mt19937_64 rng(77);
-  const NetOptions nets[] = {{},         {256, 1, 1},       {64, 2, 3},      {1024, 16, 16},
+  const AcrossNodesOptions nets[] = {{},         {256, 1, 1},       {64, 2, 3},      {1024, 16, 16},
                              {64, 4, 3, true}, {256, 1, 1, true}, {64, 16, 2, true},
                              {64, 2, 2, false, DType::kBF16}, {128, 4, 3, true, DType::kBF16}};
   int checked = 0;
   for (const Topology& t : kTopologies)
     for (int iter = 0; iter < 35; ++iter) {
       BucketLayout layout(test::random_specs(rng, t.world(), 4, 1 << 12), t);
-      const NetOptions& net = nets[iter % 9];
+      const AcrossNodesOptions& net = nets[iter % 9];
       for (Collective c : {Collective::kAllGather, Collective::kReduceScatter}) {
         std::vector<Program> programs;
         std::vector<net::GroupSchedule> schedules;
@@ -146,7 +146,7 @@ TEST(NetGroups, RingOverlapsTheNextLocalReduceWithTheTransfer) {
   // receive buffer, so it runs after the group carrying the other chunk is issued and before the
   // compute stream waits for it.
   BucketLayout layout({{"w", {64, 64}}}, Topology{2, 2});
-  const Program p = plan_reduce_scatter(layout, 0, ReduceOptions{}, 1, NetOptions{1024, 2, 2});
+  const Program p = plan_reduce_scatter(layout, 0, ReduceOptions{}, 1, AcrossNodesOptions{1024, 2, 2});
   const net::GroupSchedule s = net::schedule_groups(p);
   ASSERT_GE(s.groups.size(), 2u);
   int overlapped = 0;

@@ -60,7 +60,7 @@ INSTANTIATE_TEST_SUITE_P(W, PlanProperty, ::testing::Values(1, 2, 3, 4, 5, 8, 64
 
 TEST(Plan, AllGatherPushesEverySlotOncePerPeer) {
   BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(4));
-  const Program p = plan_all_gather(layout, 1, 9, NetOptions{}, Delivery::kPush);
+  const Program p = plan_all_gather(layout, 1, 9, AcrossNodesOptions{}, Delivery::kPush);
   // Own shards: 2 casts; to each of 3 peers a batch of 2 slots: total bytes = 3 * sum(slot bytes).
   EXPECT_EQ(p.bytes_pushed(), 3 * (layout.param(0).slot_bytes() + layout.param(1).slot_bytes()));
   const std::string text = p.to_string();
@@ -80,7 +80,7 @@ TEST(Plan, AllGatherPushesEverySlotOncePerPeer) {
 // window (own first, then the peers in staggered order), then the data-ready handshake; no pushes.
 TEST(Plan, AllGatherCastToPeersWritesEveryWindowInsideTheHandshake) {
   BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(4));
-  const Program p = plan_all_gather(layout, 1, 9, NetOptions{}, Delivery::kCastToPeers);
+  const Program p = plan_all_gather(layout, 1, 9, AcrossNodesOptions{}, Delivery::kCastToPeers);
   EXPECT_EQ(p.bytes_pushed(), 0u);
   ASSERT_EQ(p.steps.size(), 3u + 3u + 2u * 4u + 3u + 3u);
   std::vector<int> cast_windows;
@@ -117,10 +117,10 @@ TEST(Plan, DefaultDeliveryCastsSmallSingleNodeBucketsToPeers) {
   EXPECT_EQ(default_delivery(BucketLayout({{"w", {256, 64}}}, Topology::single_node(1))),
             Delivery::kPush) << "W = 1 has no peers";
   const BucketLayout nodes({{"w", {256, 64}}}, Topology{2, 2});
-  EXPECT_EQ(default_delivery(nodes), Delivery::kPush) << "multi-node plans push";
+  EXPECT_EQ(default_delivery(nodes), Delivery::kPush) << "across-node plans push";
   EXPECT_EQ(plan_all_gather(small, 0).bytes_pushed(), 0u) << "the 3-argument planner uses the default";
   try {
-    plan_all_gather(nodes, 0, 1, NetOptions{}, Delivery::kCastToPeers);
+    plan_all_gather(nodes, 0, 1, AcrossNodesOptions{}, Delivery::kCastToPeers);
     ADD_FAILURE() << "accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("delivery = cast_to_peers, expected push with 2 nodes"),
@@ -129,13 +129,13 @@ TEST(Plan, DefaultDeliveryCastsSmallSingleNodeBucketsToPeers) {
   // Ranks that deliver differently still hand over every block under the same flags.
   BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(3));
   std::vector<Program> mixed = plan_all(layout, Collective::kAllGather);
-  mixed[1] = plan_all_gather(layout, 1, 5, NetOptions{}, Delivery::kCastToPeers);
+  mixed[1] = plan_all_gather(layout, 1, 5, AcrossNodesOptions{}, Delivery::kCastToPeers);
   EXPECT_NO_THROW(verify_programs(layout, mixed));
   std::vector<Program> mixed_rs = plan_all(layout, Collective::kReduceScatter);
-  mixed_rs[2] = plan_reduce_scatter(layout, 2, {}, 5, NetOptions{}, Delivery::kCastToPeers);
+  mixed_rs[2] = plan_reduce_scatter(layout, 2, {}, 5, AcrossNodesOptions{}, Delivery::kCastToPeers);
   EXPECT_NO_THROW(verify_programs(layout, mixed_rs));
   try {
-    plan_reduce_scatter(nodes, 0, {}, 1, NetOptions{}, Delivery::kCastToPeers);
+    plan_reduce_scatter(nodes, 0, {}, 1, AcrossNodesOptions{}, Delivery::kCastToPeers);
     ADD_FAILURE() << "accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("delivery = cast_to_peers, expected push with 2 nodes"),
@@ -144,12 +144,12 @@ TEST(Plan, DefaultDeliveryCastsSmallSingleNodeBucketsToPeers) {
 }
 
 // Delivery::kCastToPeers for the reduce-scatter: every slot-free wait before the first chunk
-// copy, the copies as one run (no flag step between them: the CUDA executor's handoff kernel
+// copy, the copies as one run (no flag step between them: the CUDA executor's cast-to-peers kernel
 // takes them with the signals, waits and reduces after them), the same bytes as with kPush.
 TEST(Plan, ReduceScatterCastToPeersTakesTheHandshakeBeforeOneRunOfCopies) {
   BucketLayout layout({{"a", {10, 4}}, {"b", {3}, DType::kFP32}}, Topology::single_node(4));
-  const Program push = plan_reduce_scatter(layout, 1, {}, 9, NetOptions{}, Delivery::kPush);
-  const Program cast = plan_reduce_scatter(layout, 1, {}, 9, NetOptions{}, Delivery::kCastToPeers);
+  const Program push = plan_reduce_scatter(layout, 1, {}, 9, AcrossNodesOptions{}, Delivery::kPush);
+  const Program cast = plan_reduce_scatter(layout, 1, {}, 9, AcrossNodesOptions{}, Delivery::kCastToPeers);
   EXPECT_EQ(cast.delivery, Delivery::kCastToPeers);
   EXPECT_EQ(cast.bytes_pushed(), push.bytes_pushed());
   EXPECT_EQ(cast.steps.size(), push.steps.size());

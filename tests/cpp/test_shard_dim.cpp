@@ -96,7 +96,7 @@ TEST(ShardDimLayout, UnevenOrOutOfRangeShardDimsAreRejectedByName) {
 
 TEST(ShardDimPlan, AllGatherCastsIntoTheStridedBlockAndPushesIt) {
   BucketLayout layout({spec("w", {4, 6}, 1)}, Topology::single_node(3));  // I = 2, pitch 12 B
-  const Program p = plan_all_gather(layout, 1, 9, NetOptions{}, Delivery::kPush);
+  const Program p = plan_all_gather(layout, 1, 9, AcrossNodesOptions{}, Delivery::kPush);
   const std::string text = p.to_string();
   EXPECT_NE(text.find("cast in[0]+0 -> win[1]+4 (fp32->bf16, 2 elems + 0 zero pad x 4 rows, dst "
                       "pitch 12)"), std::string::npos) << text;
@@ -108,7 +108,7 @@ TEST(ShardDimPlan, AllGatherCastsIntoTheStridedBlockAndPushesIt) {
 // Cast into the peers' windows: the same strided block, rows at the same pitch, in every window.
 TEST(ShardDimPlan, AllGatherCastsTheStridedBlockIntoEveryWindow) {
   BucketLayout layout({spec("w", {4, 6}, 1)}, Topology::single_node(3));
-  const Program p = plan_all_gather(layout, 1, 9, NetOptions{}, Delivery::kCastToPeers);
+  const Program p = plan_all_gather(layout, 1, 9, AcrossNodesOptions{}, Delivery::kCastToPeers);
   const std::string text = p.to_string();
   for (int q : {1, 2, 0})
     EXPECT_NE(text.find(detail::concat("cast in[0]+0 -> win[", q, "]+4 (fp32->bf16, 2 elems + 0 "

@@ -186,8 +186,8 @@ struct RankBuffers {
 inline Program plan_for(Collective c, const BucketLayout& layout, int rank, uint32_t bucket,
                         const ReduceOptions& o = {}, std::optional<Delivery> delivery = {}) {
   const Delivery d = delivery.value_or(default_delivery(layout));
-  return c == Collective::kAllGather ? plan_all_gather(layout, rank, bucket, NetOptions{}, d)
-                                     : plan_reduce_scatter(layout, rank, o, bucket, NetOptions{}, d);
+  return c == Collective::kAllGather ? plan_all_gather(layout, rank, bucket, AcrossNodesOptions{}, d)
+                                     : plan_reduce_scatter(layout, rank, o, bucket, AcrossNodesOptions{}, d);
 }
 
 // Every rank's program of collective c (bucket 5), pushed unless `delivery` says otherwise.

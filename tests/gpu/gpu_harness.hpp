@@ -124,10 +124,10 @@ struct Scenario {
   int world;
   std::vector<Invocation> sequence;  // run in order on one window, `repeats` times
   int repeats = 2;
-  int nodes = 1;       // > 1: multi-node plans, the CUDA executor's network over NCCL or IPC
-  NetOptions net = {};
+  int nodes = 1;       // > 1: across-node plans, the CUDA executor's network over NCCL or IPC
+  AcrossNodesOptions net = {};
   CudaMemory memory = CudaMemory::kMalloc;  // of the CUDA windows
-  CudaReach reach = CudaReach::kNode;       // kHost: virtual nodes, network over CUDA IPC
+  CudaWindowScope scope = CudaWindowScope::kNode;       // kHost: virtual nodes, network over CUDA IPC
   std::optional<Delivery> delivery = std::nullopt;  // both collectives; unset: default_delivery(layout)
 
   Topology topology() const { return Topology{nodes, world / nodes}; }
@@ -163,7 +163,7 @@ inline Program plan(const Scenario& s, const BucketLayout& layout, const Invocat
   return plan_all_gather(layout, rank, inv.bucket, s.net, delivery);
 }
 
-// The window every invocation of the scenario fits in (multi-node reduce-scatters add staging).
+// The window every invocation of the scenario fits in (across-node reduce-scatters add staging).
 inline std::size_t window_bytes(const Scenario& s) {
   const BucketLayout layout = s.layout();
   std::size_t bytes = layout.window_bytes();
@@ -273,7 +273,7 @@ inline double unit_roundoff(DType dtype) {
 // Checks one param's reduce-scatter result against fp64: element by element within the textbook
 // bound of W+3 fp32 roundings at the working magnitude plus the output's rounding (never fails
 // spuriously, also under cancellation), plus `wire_roundings` bf16 roundings of partial sums on
-// the network (NetOptions::wire_dtype, lossy); and, for fp32 results of >= 256 elements, within
+// the network (AcrossNodesOptions::wire_dtype, lossy); and, for fp32 results of >= 256 elements, within
 // 1e-6 relative in norm (1e-2 with a bf16 wire). Returns "" or what failed.
 inline std::string check_against_fp64(const std::vector<double>& got, const Fp64Reference& ref,
                                       int world, DType out_dtype, int wire_roundings = 0) {

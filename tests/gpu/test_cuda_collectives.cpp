@@ -54,9 +54,9 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
   }
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto window = CudaWindow::create(bootstrap, window_bytes(s), s.topology(), s.memory, s.reach);
+  auto window = CudaWindow::create(bootstrap, window_bytes(s), s.topology(), s.memory, s.scope);
   std::unique_ptr<NcclComm> network;
-  if (s.nodes > 1 && s.reach == CudaReach::kNode) network = NcclComm::create(bootstrap);
+  if (s.nodes > 1 && s.scope == CudaWindowScope::kNode) network = NcclComm::create(bootstrap);
   {
     CudaExecutor executor(*window, stream, 30000ms, network.get());
     std::vector<std::byte> window_bytes(layout.window_bytes());
@@ -311,7 +311,7 @@ TEST(CudaKernels, SingleRankCastAndReduce) {
 // loading a kernel's first launch waited for the whole context while another thread's stream sat
 // in a wait for it (cuda_kernels::preload_kernels). The child is killed after 120 s, so a
 // regression fails instead of eating the GPU run. Threads run Delivery::kCastToPeers's tail as the
-// handoff kernel (processes sharing a GPU do not): bitwise the host executor's as well.
+// cast-to-peers kernel (processes sharing a GPU do not): bitwise the host executor's as well.
 TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
   TIDE_REQUIRE_GPU();
   for (const int world : {2, 4}) {
@@ -352,8 +352,8 @@ TEST(CudaCollectives, AcrossNodesOverNccl) {
   const int world = std::min(gpus, 8);
   std::mt19937_64 rng(6000);
   int cases = 0;
-  for (const NetOptions& net : {NetOptions{4096, 2, 2, false}, NetOptions{1024, 4, 3, true},
-                                NetOptions{}}) {
+  for (const AcrossNodesOptions& net : {AcrossNodesOptions{4096, 2, 2, false}, AcrossNodesOptions{1024, 4, 3, true},
+                                AcrossNodesOptions{}}) {
     Scenario s{random_specs(rng, world, 5, 1 << 15),
                world,
                {{Collective::kAllGather, {}, 1, 61},
@@ -381,20 +381,20 @@ TEST(CudaCollectives, VirtualNodesOverIpc) {
   std::mt19937_64 rng(6500);
   struct Shape {
     int nodes, local;
-    NetOptions net;
+    AcrossNodesOptions net;
   };
   int cases = 0;
-  for (const Shape& shape : {Shape{2, 4, NetOptions{4096, 2, 2, false}},
-                             Shape{4, 2, NetOptions{1024, 4, 3, true}},
-                             Shape{8, 1, NetOptions{2048, 1, 2, false}},
-                             Shape{3, 2, NetOptions{4096, 2, 2, true}},
-                             Shape{3, 4, NetOptions{}},
+  for (const Shape& shape : {Shape{2, 4, AcrossNodesOptions{4096, 2, 2, false}},
+                             Shape{4, 2, AcrossNodesOptions{1024, 4, 3, true}},
+                             Shape{8, 1, AcrossNodesOptions{2048, 1, 2, false}},
+                             Shape{3, 2, AcrossNodesOptions{4096, 2, 2, true}},
+                             Shape{3, 4, AcrossNodesOptions{}},
                              // bf16 partials on the wire (lossy), ring and halving
-                             Shape{4, 2, NetOptions{1024, 2, 2, false, DType::kBF16}},
-                             Shape{2, 4, NetOptions{4096, 2, 2, true, DType::kBF16}},
+                             Shape{4, 2, AcrossNodesOptions{1024, 2, 2, false, DType::kBF16}},
+                             Shape{2, 4, AcrossNodesOptions{4096, 2, 2, true, DType::kBF16}},
                              // 256 B chunks: one network group carries more sends to a peer
                              // than a mailbox holds (kNetQueueDepth)
-                             Shape{2, 1, NetOptions{256, 4, 2, false}}}) {
+                             Shape{2, 1, AcrossNodesOptions{256, 4, 2, false}}}) {
     const int world = shape.nodes * shape.local;
     Scenario s{random_specs(rng, world, 4, 1 << 14),
                world,
@@ -404,7 +404,7 @@ TEST(CudaCollectives, VirtualNodesOverIpc) {
                2,
                shape.nodes,
                shape.net};
-    s.reach = CudaReach::kHost;
+    s.scope = CudaWindowScope::kHost;
     SCOPED_TRACE(testing::Message() << "W=" << world << " as " << shape.nodes << "x" << shape.local
                                     << ", chunk " << shape.net.chunk_bytes << ", halving "
                                     << shape.net.rs_recursive_halving << ", wire "
@@ -608,9 +608,9 @@ std::vector<std::string> thread_ranks_in_a_child(
   return results;
 }
 
-// What one rank's collectives cost in driver calls: "beside <0|1>" (whether the handoff kernel may
+// What one rank's collectives cost in driver calls: "beside <0|1>" (whether the cast-to-peers kernel may
 // run: CudaWindow::peers_run_beside_own), then per collective and delivery its cuStreamBatchMemOp
-// calls, kernels, copies and handoff kernels. The calls are the fixed cost (BENCHMARKS.md); the
+// calls, kernels, copies and cast-to-peers kernels. The calls are the fixed cost (BENCHMARKS.md); the
 // other tests check the results.
 std::string driver_call_counts(int world, int rank, Bootstrap& b) {
   select_device(rank);
@@ -634,13 +634,13 @@ std::string driver_call_counts(int world, int rank, Bootstrap& b) {
       b.barrier();
       const CudaExecutor::Stats st = executor.stats();
       counts += detail::concat(" | ", collective, " ", delivery_name(delivery), " ", st.mem_op_calls,
-                               " ", st.kernel_launches, " ", st.copies, " ", st.handoff_kernels);
+                               " ", st.kernel_launches, " ", st.copies, " ", st.cast_to_peers_kernels);
     };
     for (const Delivery delivery : kDeliveries)
-      count("ag", delivery, plan_all_gather(layout, rank, 1, NetOptions{}, delivery),
+      count("ag", delivery, plan_all_gather(layout, rank, 1, AcrossNodesOptions{}, delivery),
             Bindings{{shard.ptr}, {}});
     for (const Delivery delivery : kDeliveries)
-      count("rs", delivery, plan_reduce_scatter(layout, rank, ReduceOptions{}, 2, NetOptions{}, delivery),
+      count("rs", delivery, plan_reduce_scatter(layout, rank, ReduceOptions{}, 2, AcrossNodesOptions{}, delivery),
             Bindings{{grad.ptr}, {shard.ptr}});
   }
   b.barrier();
@@ -651,7 +651,7 @@ std::string driver_call_counts(int world, int rank, Bootstrap& b) {
 
 // Push: W memop calls (the slot-free signals with the first wait, then per peer its data-ready
 // signal with the next wait), the cast or reduce, W - 1 copies. Cast to peers: the slot-free
-// handshake in one memop call, then the handoff kernel; without it (peers that time-slice this
+// handshake in one memop call, then the cast-to-peers kernel; without it (peers that time-slice this
 // GPU) a second memop call, the cast (AG) or the W - 1 copies and the reduce (RS).
 std::string expected_driver_calls(int world, bool beside) {
   const std::string cast = beside ? "1 1 0 1" : "2 1 0 0";
@@ -673,7 +673,7 @@ TEST(CudaCollectives, ARunsFlagOpsShareDriverCalls) {
     // Processes share a GPU unless there is one per rank.
     const std::string expected = expected_driver_calls(world, gpus >= world);
     for (int r = 0; r < world; ++r) EXPECT_EQ(processes[r], expected) << "rank " << r << " (processes)";
-    // Threads of one process: the handoff kernel runs.
+    // Threads of one process: the cast-to-peers kernel runs.
     const auto threads = thread_ranks_in_a_child(world, dir, [&](int rank, Bootstrap& b) {
       return driver_call_counts(world, rank, b);
     });
@@ -719,7 +719,7 @@ TEST(CudaCollectives, EqualParamsPushAsOne2dCopyPerPeer) {
     std::string counts;
     {
       CudaExecutor executor(*window, stream, 20000ms);
-      executor.run(plan_all_gather(layout, rank, 1, NetOptions{}, Delivery::kPush), bindings);
+      executor.run(plan_all_gather(layout, rank, 1, AcrossNodesOptions{}, Delivery::kPush), bindings);
       const CudaExecutor::Stats st = executor.stats();
       counts = detail::concat("copies ", st.copies, " 2d ", st.copies_2d, " coalesced ",
                               st.copies_coalesced);
@@ -816,7 +816,7 @@ TEST(CudaCollectives, ReduceScatterDriverCallsDoNotGrowWithParams) {
 // One stuck-wait rank, in a process or a thread: rank 0 waits for data_ready from ranks 1 and 2;
 // rank 1 signals it; rank 2 signals another bucket's (rank2_signals) or nothing. `in_kernel`:
 // rank 0's program is a kCastToPeers tail (its signals, then the waits), which ranks as threads
-// run as one handoff kernel. The outcome is the error's text or "no error", then the handoff
+// run as one cast-to-peers kernel. The outcome is the error's text or "no error", then the cast-to-peers kernel
 // kernels the executor launched (stats() does not rethrow the error: the barrier must be reached).
 std::string stuck_wait_outcome(int world, int rank, Bootstrap& b, bool in_kernel, bool rank2_signals) {
   auto program = [&](uint32_t bucket, std::vector<Step> steps) {
@@ -853,7 +853,7 @@ std::string stuck_wait_outcome(int world, int rank, Bootstrap& b, bool in_kernel
     } catch (const Error& e) {
       outcome = e.what();
     }
-    outcome += detail::concat(" [handoff kernels ", executor.stats().handoff_kernels, "]");
+    outcome += detail::concat(" [cast-to-peers kernels ", executor.stats().cast_to_peers_kernels, "]");
   }
   b.barrier();  // every stream drained before any window goes away
   window.reset();
@@ -864,20 +864,20 @@ std::string stuck_wait_outcome(int world, int rank, Bootstrap& b, bool in_kernel
 // Ranks 1 and 2 pass; rank 0's error names rank 2: DesyncError when it signalled bucket 8,
 // TimeoutError when it signalled nothing.
 void expect_stuck_wait_outcomes(const std::vector<std::string>& outcomes, bool rank2_signals,
-                                int rank0_handoffs) {
+                                int rank0_cast_to_peers_kernels) {
   ASSERT_EQ(outcomes.size(), 3u);
-  EXPECT_EQ(outcomes[1], "no error [handoff kernels 0]");
-  EXPECT_EQ(outcomes[2], "no error [handoff kernels 0]");
+  EXPECT_EQ(outcomes[1], "no error [cast-to-peers kernels 0]");
+  EXPECT_EQ(outcomes[2], "no error [cast-to-peers kernels 0]");
   const std::string& m = outcomes[0];
   EXPECT_NE(m.find(rank2_signals ? "rank 0 runs bucket 7 all_gather at epoch 1 (phase data_ready) "
                                    "but rank 2 signalled bucket 8 all_gather"
                                  : "rank 0: timed out after 2000 ms waiting for data_ready from rank 2"),
             std::string::npos) << m;
-  EXPECT_NE(m.find(detail::concat("[handoff kernels ", rank0_handoffs, "]")), std::string::npos) << m;
+  EXPECT_NE(m.find(detail::concat("[cast-to-peers kernels ", rank0_cast_to_peers_kernels, "]")), std::string::npos) << m;
 }
 
 // Both stuck-wait cases, with and without rank 2's signal: the waits as one memop batch (ranks as
-// processes) or inside a handoff kernel (ranks as threads, one context, so the kernel runs).
+// processes) or inside a cast-to-peers kernel (ranks as threads, one context, so the kernel runs).
 void run_stuck_wait_cases(bool in_kernel) {
   const int world = 3;
   for (const bool rank2_signals : {true, false}) {
@@ -899,10 +899,10 @@ TEST(CudaCollectives, AStuckFlagBatchNamesItsFirstUnmetWait) {
   run_stuck_wait_cases(/*in_kernel=*/false);
 }
 
-// The same with the waits inside a handoff kernel: rank 0's kernel spins until the watchdog
+// The same with the waits inside a cast-to-peers kernel: rank 0's kernel spins until the watchdog
 // diagnoses the stuck wait as a stream wait's and releases it through the flags (the kernel then
 // ends: no hang).
-TEST(CudaCollectives, AStuckHandoffKernelTimesOutLikeAStreamWait) {
+TEST(CudaCollectives, AStuckCastToPeersKernelTimesOutLikeAStreamWait) {
   TIDE_REQUIRE_GPU();
   run_stuck_wait_cases(/*in_kernel=*/true);
 }
@@ -921,14 +921,14 @@ TEST(CudaCollectives, IpcNetworkDesyncAndDeadPeer) {
     const auto reports = harness::run_rank_processes(world, [&](int rank, Bootstrap& b) {
       select_device(rank);
       auto window = CudaWindow::create(b, layout.window_bytes(), layout.topology(),
-                                       CudaMemory::kMalloc, CudaReach::kHost);
+                                       CudaMemory::kMalloc, CudaWindowScope::kHost);
       if (dies && rank == 1) ::_exit(0);
       cudaStream_t stream = nullptr;
       CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       DeviceBuffer shard(layout.param(0).valid_numel(rank) * 4);
       {
         CudaExecutor executor(*window, stream, 2000ms);
-        executor.run(plan_all_gather(layout, rank, rank == 0 ? 1 : 2, NetOptions{}),
+        executor.run(plan_all_gather(layout, rank, rank == 0 ? 1 : 2, AcrossNodesOptions{}),
                      Bindings{{shard.ptr}, {}});
         try {
           executor.synchronize();

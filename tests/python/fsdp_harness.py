@@ -120,7 +120,7 @@ SCENARIOS = {
     "virtual_nodes": ((2, 3, 4), {"ranks_per_node": 1, "net": 256}),
     "virtual_nodes_2x2": ((4,), {"ranks_per_node": 2, "net": 512}),
     "virtual_nodes_bf16": ((4,), {"ranks_per_node": 2, "net": 512, "mp": (torch.bfloat16, torch.float32)}),
-    # bf16 partial sums between the nodes (NetOptions.wire_dtype): lossy, within tolerance of stock.
+    # bf16 partial sums between the nodes (AcrossNodesOptions.wire_dtype): lossy, within tolerance of stock.
     "virtual_nodes_bf16_wire": ((4,), {"ranks_per_node": 2, "net": 512, "wire": "bf16"}),
     # NCCL between the nodes: with one GPU per rank it runs (CUDA on several GPUs); ranks sharing a
     # GPU (NCCL refuses them) and CPU (its network is the host transport) fall back.
@@ -208,9 +208,9 @@ def run_scenario(opts, world, device):
         kwargs = {}
         if "ranks_per_node" in opts:  # small network chunks: many network steps per bucket
             kwargs = {"ranks_per_node": opts["ranks_per_node"],
-                      "net": tide.NetOptions(chunk_bytes=opts["net"], max_chunks_in_flight=2, ring_depth=2,
+                      "across_nodes": tide.AcrossNodesOptions(chunk_bytes=opts["net"], max_chunks_in_flight=2, ring_depth=2,
                                              wire_dtype=getattr(tide.DType, opts.get("wire", "fp32"))),
-                      "network": opts.get("network", "auto")}
+                      "transport": opts.get("network", "auto")}
         launcher = os.environ.pop("LOCAL_WORLD_SIZE", None)
         if opts.get("from_env"):  # the launcher's LOCAL_WORLD_SIZE stands for ranks_per_node
             os.environ["LOCAL_WORLD_SIZE"] = str(kwargs.pop("ranks_per_node"))

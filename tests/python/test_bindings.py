@@ -212,7 +212,7 @@ def test_multinode_plans_run_on_the_host_transport():
     program.window_bytes (the reduce-scatter's staging), run on the host executor (virtual nodes)."""
     layout = tide.BucketLayout([tide.ParamSpec("w", [9, 8], tide.DType.fp32, tide.DType.fp32)],
                                tide.Topology(2, 2))
-    net = tide.NetOptions(chunk_bytes=64)
+    net = tide.AcrossNodesOptions(chunk_bytes=64)
     ags = [tide.plan_all_gather(layout, r, 1, net) for r in range(4)]
     rss = [tide.plan_reduce_scatter(layout, r, tide.ReduceOptions(kind=tide.ReduceKind.sum), 2, net)
            for r in range(4)]
@@ -238,17 +238,17 @@ def test_multinode_plans_run_on_the_host_transport():
 
 
 def test_bf16_wire_is_an_option_and_fp16_is_refused():
-    """NetOptions.wire_dtype: bf16 partial sums between nodes (lossy, half the bytes); only fp32
+    """AcrossNodesOptions.wire_dtype: bf16 partial sums between nodes (lossy, half the bytes); only fp32
     and bf16 are accepted, with the offending value in the message."""
     layout = tide.BucketLayout([tide.ParamSpec("w", [16, 8])], tide.Topology(2, 2))
-    assert tide.NetOptions().wire_dtype == tide.DType.fp32
-    fp32 = tide.plan_reduce_scatter(layout, 0, tide.ReduceOptions(), 1, tide.NetOptions(chunk_bytes=64))
+    assert tide.AcrossNodesOptions().wire_dtype == tide.DType.fp32
+    fp32 = tide.plan_reduce_scatter(layout, 0, tide.ReduceOptions(), 1, tide.AcrossNodesOptions(chunk_bytes=64))
     bf16 = tide.plan_reduce_scatter(layout, 0, tide.ReduceOptions(), 1,
-                                    tide.NetOptions(chunk_bytes=64, wire_dtype=tide.DType.bf16))
+                                    tide.AcrossNodesOptions(chunk_bytes=64, wire_dtype=tide.DType.bf16))
     assert "onto the bf16 partial" in str(bf16) and "onto the fp32 partial" in str(fp32)
     with pytest.raises(ValueError, match="wire_dtype.*fp32 or bf16"):
         tide.plan_reduce_scatter(layout, 0, tide.ReduceOptions(), 1,
-                                 tide.NetOptions(wire_dtype=tide.DType.fp16))
+                                 tide.AcrossNodesOptions(wire_dtype=tide.DType.fp16))
 
 
 def test_missing_nccl_is_a_clear_error():
@@ -281,5 +281,5 @@ def test_nccl_comm_from_a_process_group_says_when_nccl_is_missing():
 def test_cuda_window_reach_is_exposed():
     # Which peers a CUDA window maps: its node's (other nodes over NCCL) or the host's (virtual
     # nodes, network over CUDA IPC). Creating one needs a GPU; the GPU tests do.
-    assert {tide.CudaReach.node, tide.CudaReach.host} == set(tide.CudaReach.__members__.values())
-    assert "reach" in tide.CudaWindow.create.__doc__
+    assert {tide.CudaWindowScope.node, tide.CudaWindowScope.host} == set(tide.CudaWindowScope.__members__.values())
+    assert "scope" in tide.CudaWindow.create.__doc__

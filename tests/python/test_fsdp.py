@@ -117,7 +117,7 @@ def test_fallbacks_are_reported(world_results):
             assert any("reshard_after_forward as an int" in f for f in r["fallbacks"]), r["fallbacks"]
         elif opts.get("network") == "nccl" and (r["device_type"] == "cpu" or r["ranks_share_gpus"]):
             assert r["buckets"] == 0 and r["fallbacks"] and all(
-                "network='nccl'" in f for f in r["fallbacks"]), r["fallbacks"]
+                "transport='nccl'" in f for f in r["fallbacks"]), r["fallbacks"]
         elif opts.get("ranks_per_node") == 3:
             assert r["buckets"] == 0 and r["fallbacks"] and all(
                 "not node-major with as many on every node" in f for f in r["fallbacks"]), r["fallbacks"]
@@ -129,8 +129,10 @@ def test_fallbacks_are_reported(world_results):
     ({"module": "model"}, TypeError, "module is str, expected an nn.Module"),
     ({"timeout_ms": 0}, ValueError, "timeout_ms = 0, expected a positive int"),
     ({"ranks_per_node": 0}, ValueError, "ranks_per_node = 0, expected a positive int"),
-    ({"net": 64}, TypeError, "net is int, expected tide.NetOptions"),
-    ({"network": "rdma"}, ValueError, "network = 'rdma', expected one of"),
+    ({"across_nodes": 64}, TypeError, "across_nodes is int, expected tide.AcrossNodesOptions"),
+    ({"net": None}, TypeError, "the keyword net= is now across_nodes="),
+    ({"network": "nccl"}, TypeError, "the keyword network= is now transport="),
+    ({"transport": "rdma"}, ValueError, "transport = 'rdma', expected one of"),
     ({"env": "0"}, ValueError, "LOCAL_WORLD_SIZE = '0', expected a positive int"),
     ({}, ValueError, "no FSDP2 param groups under this module"),
 ])
@@ -156,13 +158,13 @@ def test_enable_rejects_bad_arguments(kwargs, error, fragment, monkeypatch):
     # real nodes: NCCL; IPC cannot reach another host; a node may not span hosts
     ("cuda", 2, 2, [("a", "g0"), ("a", "g1"), ("b", "g0"), ("b", "g1")], "auto", ("nccl", "")),
     ("cuda", 2, 2, [("a", "g0"), ("a", "g1"), ("b", "g0"), ("b", "g1")], "ipc",
-     (None, "network='ipc' needs every rank of the group on this host")),
+     (None, "transport='ipc' needs every rank of the group on this host")),
     ("cuda", 2, 2, [("a", "g0"), ("b", "g1"), ("b", "g0"), ("b", "g2")], "auto",
      (None, "node 0's ranks are on several hosts (a, b)")),
     # CPU: the host transport, on one host
     ("cpu", 2, 1, [("a", ""), ("a", "")], "auto", ("host", "")),
     ("cpu", 2, 1, [("a", ""), ("a", "")], "ipc", ("host", "")),
-    ("cpu", 2, 1, [("a", ""), ("a", "")], "nccl", (None, "network='nccl' on CPU devices")),
+    ("cpu", 2, 1, [("a", ""), ("a", "")], "nccl", (None, "transport='nccl' on CPU devices")),
     ("cpu", 2, 1, [("a", ""), ("b", "")], "auto", (None, "CPU ranks on several hosts")),
 ])
 def test_transport_follows_placement(device, nodes, local, placements, network, expected):

@@ -134,8 +134,8 @@ def test_shapes_that_differ_name_the_param():
 
 @pytest.mark.parametrize("option, values", [
     ("ranks_per_node", ({"ranks_per_node": 1}, {"ranks_per_node": 2})),
-    ("network", ({"network": "auto"}, {"network": "ipc"})),
-    ("net", ({}, {"net": tide.NetOptions(chunk_bytes=1 << 20)}))])
+    ("transport", ({"transport": "auto"}, {"transport": "ipc"})),
+    ("across_nodes", ({}, {"across_nodes": tide.AcrossNodesOptions(chunk_bytes=1 << 20)}))])
 def test_ranks_passing_different_options_get_desync_error_naming_it(option, values):
     """Options shape windows and programs: ranks that differ would fail later, far from the cause."""
     def rank_fn(rank):

@@ -38,7 +38,7 @@ def test_two_gpus_as_two_nodes_match_stock_bitwise(network, tmp_path, capsys):
     (a communicator per pooled window). W = 2: bitwise equal to stock, as on one node."""
     out = tmp_path / "fsdp.json"
     assert cli.main(["fsdp", "--device", "cuda", "--world", "2", "--model", "tiny", "--mp", "fp32",
-                     "--ranks-per-node", "1", "--network", network, "--chunk-mib", "1",
+                     "--ranks-per-node", "1", "--transport", network, "--chunk-mib", "1",
                      "--steps", "3", "--warmup", "1", "--seq", "64", "--json", str(out),
                      "--no-progress"]) == 0
     data = json.loads(out.read_text())

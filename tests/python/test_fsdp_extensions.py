@@ -120,7 +120,7 @@ def scenario_float8(precompute: bool, only_float8_groups: bool = False, ranks_pe
     nodes = {}
     if ranks_per_node:  # virtual nodes: TIDE's across-node programs, small network chunks
         nodes = {"ranks_per_node": ranks_per_node,
-                 "net": tide.NetOptions(chunk_bytes=256, max_chunks_in_flight=2, ring_depth=2)}
+                 "across_nodes": tide.AcrossNodesOptions(chunk_bytes=256, max_chunks_in_flight=2, ring_depth=2)}
     on, tide_on = _with_tide(build_float8(True, only_float8_groups), train, **nodes)
     off, tide_off = _with_tide(build_float8(False, only_float8_groups), train, **nodes)
     stock_off, _ = train(build_float8(False, only_float8_groups))

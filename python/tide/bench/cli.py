@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--ranks-per-node", type=_positive("ranks-per-node"), default=None,
                    help="declare nodes of this many consecutive ranks: TIDE runs its across-node "
                         "programs between them (CPU: virtual nodes over the host transport)")
-    f.add_argument("--network", choices=("auto", "ipc", "nccl"), default="auto",
+    f.add_argument("--transport", choices=("auto", "ipc", "nccl"), default="auto",
                    help="with --ranks-per-node on GPUs: what carries TIDE's steps between nodes "
                         "(auto: CUDA IPC on one host, else NCCL)")
     f.add_argument("--chunk-mib", type=_positive("chunk-mib"), default=16,
@@ -146,7 +146,7 @@ def _fsdp(args, parser, device) -> int:
     opts = {"device": device, "mp": mp, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
             "ranks_per_node": args.ranks_per_node, "chunk_bytes": args.chunk_mib * MIB,
             "wire_dtype": args.wire_dtype,
-            "network": args.network, "expert_shard_dim": args.expert_shard_dim,
+            "transport": args.transport, "expert_shard_dim": args.expert_shard_dim,
             "seq": args.seq, "progress": not args.no_progress, "float8": args.float8}
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
           f"mp {mp}, {args.world} ranks", file=sys.stderr)
@@ -174,7 +174,7 @@ def _fsdp(args, parser, device) -> int:
     summary = {"model": model_name, "family": cfg.family, "config": cfg.as_dict(), "params": cfg.params(),
                "expert_shard_dim": args.expert_shard_dim, "world": len(stock), "device": device,
                "mp": mp, "float8": args.float8, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
-               "ranks_per_node": args.ranks_per_node, "network": args.network,
+               "ranks_per_node": args.ranks_per_node, "transport": args.transport,
                "chunk_mib": args.chunk_mib, "wire_dtype": args.wire_dtype,
                "stock": merged(stock), "tide": merged(tide_runs),
                "max_abs_diff": compare(stock, tide_runs), "torch": torch.__version__}
@@ -243,9 +243,9 @@ def _refuse_fallback_configuration(args, parser, device) -> None:
     if not reason:
         gpus = torch.cuda.device_count() if device == "cuda" else 0
         placements = [("this-host", f"gpu{r % gpus}" if gpus else "") for r in range(args.world)]
-        _, reason = transport_for(placements, device, topology, args.network)
+        _, reason = transport_for(placements, device, topology, args.transport)
     if reason:
-        parser.error(f"--ranks-per-node {args.ranks_per_node} --network {args.network} --world "
+        parser.error(f"--ranks-per-node {args.ranks_per_node} --transport {args.transport} --world "
                      f"{args.world} on {device}: TIDE would fall back for every group: {reason}")
 
 

@@ -237,9 +237,9 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
         kwargs = {}
         if opts.get("ranks_per_node"):
             kwargs = {"ranks_per_node": opts["ranks_per_node"],
-                      "net": tide.NetOptions(chunk_bytes=opts["chunk_bytes"],
+                      "across_nodes": tide.AcrossNodesOptions(chunk_bytes=opts["chunk_bytes"],
                                              wire_dtype=getattr(tide.DType, opts["wire_dtype"])),
-                      "network": opts.get("network", "auto")}
+                      "transport": opts.get("transport", "auto")}
         handle = tide.fsdp.enable(model, **kwargs)
         if not handle.buckets:  # a "TIDE" column that is stock FSDP2 would be a lie
             raise RuntimeError(f"tide-bench fsdp: TIDE handled no param group on rank {rank}: "

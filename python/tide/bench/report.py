@@ -10,10 +10,10 @@ import statistics
 def fsdp_table(summary: dict) -> str:
     s, t = summary["stock"], summary["tide"]
     nodes = summary.get("ranks_per_node")
-    network = f", network {summary.get('network', 'auto')}" if summary["device"] == "cuda" else ""
+    transport = f", transport {summary.get('transport', 'auto')}" if summary["device"] == "cuda" else ""
     wire = ", bf16 partials on the wire (lossy)" if summary.get("wire_dtype") == "bf16" else ""
     chunks = f", {summary['chunk_mib']} MiB chunks" if "chunk_mib" in summary else ""
-    where = f" (TIDE: nodes of {nodes} ranks{network}{chunks}{wire})" if nodes else ""
+    where = f" (TIDE: nodes of {nodes} ranks{transport}{chunks}{wire})" if nodes else ""
     emulated = (" — SINGLE-GPU EMULATION (ranks share the GPU: times do not compare; copies, memory "
                 "and agreement do)" if t.get("ranks_share_gpus") else "")
     experts = f", experts sharded on dim {summary['expert_shard_dim']}" if summary.get("expert_shard_dim") else ""

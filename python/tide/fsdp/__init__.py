@@ -38,11 +38,11 @@ from ._extension import ExtensionGather, uses_extension
 from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
 from ._pool import WindowPool, size_classes
 
-__all__ = ["enable", "disable", "TideFSDP", "NETWORKS", "topology_for", "transport_for"]
+__all__ = ["enable", "disable", "TideFSDP", "TRANSPORTS", "topology_for", "transport_for"]
 
 log = logging.getLogger("tide.fsdp")
-NETWORKS = ("auto", "ipc", "nccl")
-NET_OPTION_FIELDS = ("chunk_bytes", "max_chunks_in_flight", "ring_depth", "rs_recursive_halving", "wire_dtype")
+TRANSPORTS = ("auto", "ipc", "nccl")
+ACROSS_NODES_OPTION_FIELDS = ("chunk_bytes", "max_chunks_in_flight", "ring_depth", "rs_recursive_halving", "wire_dtype")
 
 
 class TideFSDP:
@@ -81,7 +81,7 @@ class TideFSDP:
 
     def sm_cta_us(self) -> float:
         """CUDA: SM time of TIDE's kernels since enable_sm_stats, in CTA-microseconds (CTAs x kernel
-        time of the cast, reduce, handoff (small buckets; its flag waits included) and, between
+        time of the cast, reduce, cast-to-peers kernel (small buckets; its flag waits included) and, between
         virtual nodes over IPC, pull kernels; copies and flag operations use no SMs).
         Synchronizes the executors. 0 on CPU."""
         total = 0.0
@@ -89,7 +89,7 @@ class TideFSDP:
             for pooled in pool.all_windows():
                 if hasattr(pooled.executor, "stats"):
                     st = pooled.executor.stats()
-                    total += (st.cast_cta_us + st.reduce_cta_us + st.handoff_cta_us
+                    total += (st.cast_cta_us + st.reduce_cta_us + st.cast_to_peers_cta_us
                               + st.network_cta_us)
         return total
 
@@ -121,8 +121,21 @@ def _identity(path: str, param_group, reason: str, param_name, gather) -> list:
     return [path, params, reason]
 
 
+# enable's keywords that were renamed (one word per concept), and their names now.
+_RENAMED_KEYWORDS = {"net": "across_nodes", "network": "transport"}
+
+
+def _refuse_renamed_keywords(removed: dict) -> None:
+    """Refuses a keyword enable does not take; a renamed one with its new name."""
+    for old in removed:
+        if old in _RENAMED_KEYWORDS:
+            raise TypeError(f"tide.fsdp.enable: the keyword {old}= is now {_RENAMED_KEYWORDS[old]}=")
+    if removed:
+        raise TypeError(f"tide.fsdp.enable: unexpected keyword(s) {', '.join(sorted(removed))}")
+
+
 def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_node: int | None = None,
-           net=None, network: str = "auto") -> TideFSDP:
+           across_nodes=None, transport: str = "auto", **removed) -> TideFSDP:
     """Turns TIDE on for every FSDP2 param group under `module` (call after ``fully_shard``, with the
     model sharded: before the first step or between steps). Returns what was handled.
 
@@ -133,15 +146,16 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     ranks_per_node: declares nodes of that many consecutive global ranks (default: LOCAL_WORLD_SIZE
     as torchrun sets it; unset: every group is one node); groups that span several
     run TIDE's across-node programs (recursive-doubling all-gather, two-phase reduce-scatter)
-    between them, with `net` (a tide.NetOptions: 16 MiB chunks by default) pacing the network
-    steps. ``tide.NetOptions(wire_dtype=tide.DType.bf16)`` sends the reduce-scatter's partial sums
+    between them, with `across_nodes` (a tide.AcrossNodesOptions: 16 MiB chunks by default) pacing the transport
+    steps. ``tide.AcrossNodesOptions(wire_dtype=tide.DType.bf16)`` sends the reduce-scatter's partial sums
     as bf16 between nodes: half the bytes, but LOSSY (one bf16 rounding per transfer; results are
     no longer bitwise equal to stock FSDP2's). A group on one node must have its ranks on one host.
 
-    network: what carries those steps on CUDA devices. "auto" (default): CUDA IPC when every rank
+    transport: what carries those steps on CUDA devices. "auto" (default): CUDA IPC when every rank
     of the group is on this host (virtual nodes), else NCCL; "ipc"; "nccl" (a communicator per
     pooled window, one rank per GPU). On CPU the host executor's host transport carries them
     (virtual nodes of one host; "nccl" falls back)."""
+    _refuse_renamed_keywords(removed)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"tide.fsdp.enable: module is {type(module).__name__}, expected an nn.Module")
     if id(module) in _enabled:
@@ -152,11 +166,11 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         raise ValueError(f"tide.fsdp.enable: ranks_per_node = {ranks_per_node!r}, expected a positive int")
     if ranks_per_node is None:
         ranks_per_node = launcher_ranks_per_node()
-    if net is not None and not isinstance(net, _tide.NetOptions):
-        raise TypeError(f"tide.fsdp.enable: net is {type(net).__name__}, expected tide.NetOptions")
-    net = net if net is not None else _tide.NetOptions()
-    if network not in NETWORKS:
-        raise ValueError(f"tide.fsdp.enable: network = {network!r}, expected one of {NETWORKS}")
+    if across_nodes is not None and not isinstance(across_nodes, _tide.AcrossNodesOptions):
+        raise TypeError(f"tide.fsdp.enable: across_nodes is {type(across_nodes).__name__}, expected tide.AcrossNodesOptions")
+    across_nodes = across_nodes if across_nodes is not None else _tide.AcrossNodesOptions()
+    if transport not in TRANSPORTS:
+        raise ValueError(f"tide.fsdp.enable: transport = {transport!r}, expected one of {TRANSPORTS}")
     _fsdp2.check_torch_version()
     groups = _fsdp2.param_groups(module)
     if not groups:
@@ -190,44 +204,44 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         if group is not None and group.size() > 1:
             key = tuple(dist.get_process_group_ranks(group))
             by_group.setdefault(key, (group, []))[1].append(_identity(path, pg, reason, param_name, gather))
-    options = {"ranks_per_node": ranks_per_node, "network": network,
-               "net": {k: str(getattr(net, k)) for k in NET_OPTION_FIELDS}}
+    options = {"ranks_per_node": ranks_per_node, "transport": transport,
+               "across_nodes": {k: str(getattr(across_nodes, k)) for k in ACROSS_NODES_OPTION_FIELDS}}
     rounds = {ranks: check_agreement(group, options, identities, wait_ms)
               for ranks, (group, identities) in by_group.items()}
 
     # 2. Where the ranks are (the same answer on every rank of a group: exchanged).
     where: dict = {}
     result = TideFSDP()
-    by_ranks: dict = {}  # (group ranks, device) -> [(bucket, transport)]
+    by_ranks: dict = {}  # (group ranks, device) -> [(bucket, group_transport)]
     for bucket_id, path, pg, group, topology, gather, reason in decided:
-        transport = None
+        group_transport = None
         if not reason:
             key = (tuple(dist.get_process_group_ranks(group)), pg.device.type)
             if key not in where:
                 where[key] = placements(group, pg.device, wait_ms, rounds[key[0]])
-            transport, reason = transport_for(where[key], pg.device.type, topology, network)
+            group_transport, reason = transport_for(where[key], pg.device.type, topology, transport)
         if reason:
             result.fallbacks.append((path, reason))
             log.warning("tide.fsdp: param group %s falls back to stock FSDP2: %s", path, reason)
             continue
         layout = _tide.BucketLayout(_specs(pg, param_name), topology)
-        bucket = Bucket(bucket_id, path, pg, group, layout, net, result._counts, gather)
+        bucket = Bucket(bucket_id, path, pg, group, layout, across_nodes, result._counts, gather)
         # FSDP2 may give each param group its own process-group object over the same ranks; TIDE
         # talks through windows, not the group, so those buckets share pools.
         by_ranks.setdefault((tuple(dist.get_process_group_ranks(group)), str(pg.device)), []).append(
-            (bucket, transport))
+            (bucket, group_transport))
         result.buckets.append(bucket)
 
     # 3. Pools, named by the model (the enable round and the first bucket's id), not by process state.
     for (ranks, _), entries in by_ranks.items():
-        transport = entries[0][1]  # a function of the ranks and the device: the same for all
+        group_transport = entries[0][1]  # a function of the ranks and the device: the same for all
         for members in size_classes([b for b, _ in entries]):
             # The first member's id: a module can hold several param groups (torch >= 2.12), so
             # its path alone could name two pools alike.
             name = f"tide/pool/{'-'.join(map(str, ranks))}/{rounds[ranks]}/{members[0].id}"
             pool = WindowPool(members[0].group, max(b.window_bytes for b in members), timeout_ms,
                               name, members[0].param_group.device, members[0].layout.topology,
-                              transport)
+                              group_transport)
             result.pools.append(pool)
             for b in members:
                 b.attach(pool)

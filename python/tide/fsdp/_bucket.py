@@ -65,7 +65,7 @@ def _profiled(label, cuda: bool):
 
 
 class Bucket:
-    def __init__(self, bucket_id: int, path: str, param_group, group, layout, net, counts: Counts,
+    def __init__(self, bucket_id: int, path: str, param_group, group, layout, across_nodes, counts: Counts,
                  gather=None):
         self.id, self.path, self.param_group, self.group = bucket_id, path, param_group, group
         self.fsdp_params = list(param_group.fsdp_params)
@@ -73,18 +73,18 @@ class Bucket:
         # zero-size param has no slot: its all-gather output is an empty tensor of its own.
         self.laid_out = [fp for fp in self.fsdp_params if _fsdp2.has_bytes(fp)]
         self.index = {id(p): i for i, p in enumerate(self.laid_out)}
-        self.layout, self.net, self.counts = layout, net, counts
+        self.layout, self.across_nodes, self.counts = layout, across_nodes, counts
         # The all-gather's layout: the params' own, or with all-gather extensions the inputs'
         # (an _extension.ExtensionGather); the reduce-scatter's is always the params'.
         self.gather = gather
         self.gather_layout = gather.layout if gather is not None else layout
         self.rank = group.rank()
-        self.ag_program = _tide.plan_all_gather(self.gather_layout, self.rank, bucket_id, net)
+        self.ag_program = _tide.plan_all_gather(self.gather_layout, self.rank, bucket_id, across_nodes)
         # Across nodes the reduce-scatter stages partial sums after the bucket's window: a window
         # holds the larger of the two programs' windows (a subset's is never larger).
         self.window_bytes = max(self.ag_program.window_bytes,
                                 _tide.plan_reduce_scatter(layout, self.rank, _tide.ReduceOptions(),
-                                                          bucket_id, net).window_bytes)
+                                                          bucket_id, across_nodes).window_bytes)
         self.ag_bytes = sum(layout.world * p.slot_bytes for p in self.gather_layout.params)
         shard_numels = iter(p.shard_numel for p in layout.params)
         self.numels = [next(shard_numels) if _fsdp2.has_bytes(fp) else 0 for fp in self.fsdp_params]
@@ -143,9 +143,9 @@ class Bucket:
             # stream, recorded when FSDP2 freed them) must be done with the old mapping.
             if self.freed is not None:
                 self.freed.synchronize()
-            self.range.map_data_of(self.window.window)
+            self.range.map_data_of(self.window.shared)
         else:
-            self.window.window.map_data_into(self.range)
+            self.range.map_data_of(self.window.shared)
         self.mapped = self.window
 
     def check_state(self, all_gather_comm) -> None:
@@ -285,7 +285,7 @@ class Bucket:
                 offsets.append(offset * reduce_dtype.itemsize)
                 offset += p.shard_numel
             grad_bytes = sum(p.numel for p in layout.params) * grad_dtype.itemsize
-            program = RsPlan(_tide.plan_reduce_scatter(layout, self.rank, options, self.id, self.net),
+            program = RsPlan(_tide.plan_reduce_scatter(layout, self.rank, options, self.id, self.across_nodes),
                              tuple(offsets), grad_bytes)
             self.rs_programs[key] = program
         return program

@@ -61,7 +61,7 @@ def multi_node_reason(param_group, param_name) -> str:
     for i, fp in enumerate(param_group.fsdp_params):
         if fp.fsdp_placement.dim != 0:
             return (f"{param_name(fp, i)} is sharded on dim {fp.fsdp_placement.dim} and the group spans "
-                    "nodes: TIDE's multi-node plans shard on dim 0 only")
+                    "nodes: TIDE's across-node plans shard on dim 0 only")
     return ""
 
 

@@ -2,7 +2,7 @@
 
 FSDP2's internals (``torch.distributed.fsdp._fully_shard``) change between releases; this module
 is the one place that reads them, so a new torch version means reading this file against its
-sources (docs/notes/fsdp2_internals.md lists what differs). ``check_torch_version`` refuses, with
+sources (docs/fsdp2_internals.md lists what differs). ``check_torch_version`` refuses, with
 one line, a version outside the range tide.fsdp is written and tested against.
 """
 

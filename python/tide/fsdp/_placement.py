@@ -26,7 +26,7 @@ def placements(group, device: torch.device, timeout_ms: int, enable_round: int) 
     return [tuple(v.split("|", 1)) for v in exchange(group, f"placement/{enable_round}/{device.type}", mine, timeout_ms)]
 
 
-def transport_for(placements: list, device_type: str, topology, network: str):
+def transport_for(placements: list, device_type: str, topology, requested: str):
     """(transport between the group's nodes, "") or (None, why the group falls back), from where
     the group's ranks are: `placements` is (host, GPU uuid or "") per group rank. The transport is
     None for one node, "host" (CPU: the host executor's), "ipc" (CUDA IPC, every rank on this
@@ -44,16 +44,16 @@ def transport_for(placements: list, device_type: str, topology, network: str):
         if len(node_hosts) > 1:
             return None, f"node {n}'s ranks are on several hosts ({', '.join(sorted(node_hosts))})"
     if device_type == "cpu":
-        if network == "nccl":
-            return None, "network='nccl' on CPU devices (their network is TIDE's host transport)"
+        if requested == "nccl":
+            return None, "transport='nccl' on CPU devices (their transport is TIDE's host transport)"
         if not one_host:
             return None, "CPU ranks on several hosts (the host transport needs them on one host)"
         return "host", ""
-    transport = ("ipc" if one_host else "nccl") if network == "auto" else network
+    transport = ("ipc" if one_host else "nccl") if requested == "auto" else requested
     if transport == "ipc" and not one_host:
-        return None, "network='ipc' needs every rank of the group on this host"
+        return None, "transport='ipc' needs every rank of the group on this host"
     if transport == "nccl" and len(set(placements)) < len(placements):  # (host, GPU) pairs
-        return None, "network='nccl' with ranks sharing a GPU (NCCL refuses two ranks on one GPU)"
+        return None, "transport='nccl' with ranks sharing a GPU (NCCL refuses two ranks on one GPU)"
     return transport, ""
 
 

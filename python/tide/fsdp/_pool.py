@@ -14,7 +14,7 @@ class PooledWindow:
     may be written again (its last reader's stream recorded it)."""
 
     def __init__(self, window, executor):
-        self.window, self.executor = window, executor
+        self.shared, self.executor = window, executor
         self.ready = None  # torch.cuda.Event or None
 
     def use_on(self, stream) -> None:
@@ -57,9 +57,9 @@ class WindowPool:
             # communicator per window, since windows can have an all-gather and a reduce-scatter
             # in flight at once and NCCL needs one order of operations per communicator.
             comm = _tide.NcclComm.create(self.bootstrap) if self.transport == "nccl" else None
-            reach = _tide.CudaReach.host if self.transport == "ipc" else _tide.CudaReach.node
+            scope = _tide.CudaWindowScope.host if self.transport == "ipc" else _tide.CudaWindowScope.node
             window = _tide.CudaWindow.create(self.bootstrap, self.window_bytes, self.topology,
-                                             _tide.CudaMemory.vmm, reach)
+                                             _tide.CudaMemory.vmm, scope)
             executor = _tide.CudaExecutor(window, torch.cuda.current_stream(self.device).cuda_stream,
                                           self.timeout_ms, comm)
             if self.stats_enabled:

@@ -66,9 +66,9 @@ class Lowering {
     for (std::size_t i = 0; i < steps_.size();) {
       network_actions(i);
       const Step& step = steps_[i];
-      if (i == context_.handoff) {
-        out_.commands.push_back({CommandKind::kHandoff, i, steps_.size()});
-        return;  // the handoff tail never holds network ops
+      if (i == context_.cast-to-peers kernel) {
+        out_.commands.push_back({CommandKind::kCastToPeers, i, steps_.size()});
+        return;  // the cast-to-peers kernel tail never holds network ops
       }
       if (std::holds_alternative<CastOp>(step.op)) {
         i = casts(i);
@@ -131,7 +131,7 @@ class Lowering {
   }
 
   // One kernel for consecutive reduces with as many sources each, as long as none touches what an
-  // earlier one in the kernel writes (a multi-node ring step sums the partial it just reduced) or
+  // earlier one in the kernel writes (a across-node ring step sums the partial it just reduced) or
   // writes what an earlier one reads. A bucket's reduces (hundreds) almost never do: they are
   // taken together and checked at once by sorting their writes (no allocation once warm);
   // only a run with an overlap is split, reduce by reduce.

@@ -44,7 +44,7 @@ struct Reduce {
 
 // What the executor enqueues, in order. Driver calls: kEngineCopies one cudaMemcpyBatchAsync;
 // kCopy2D one cudaMemcpy2DAsync; kCopyKernel, kReduceKernel one launch per table (kernels.cuh:
-// 680 copies, 584 reduces of 2 sources); kFlagOps one cuStreamBatchMemOp; kCasts, kHandoff,
+// 680 copies, 584 reduces of 2 sources); kFlagOps one cuStreamBatchMemOp; kCasts, kCastToPeers,
 // kNetStep and kNetActions as the executor lowers those steps (lowering.cpp).
 enum class CommandKind : uint8_t {
   kEngineCopies,  // copies[first, first + count) on the copy engines
@@ -53,7 +53,7 @@ enum class CommandKind : uint8_t {
   kCasts,         // steps [step, end): CastOps, one batch
   kReduceKernel,  // reduces[first, first + count), num_sources each
   kFlagOps,       // steps [step, end): SignalOps and WaitOps
-  kHandoff,       // steps [step, steps.size()): one handoff kernel
+  kCastToPeers,       // steps [step, steps.size()): one cast-to-peers kernel
   kNetStep,       // step `step`, a NetSendOp or NetRecvOp: the network group waits for this point
   kNetActions,    // the schedule's issues and waits before step `step`
 };
@@ -92,7 +92,7 @@ std::size_t kernel_copies(std::vector<Copy>& copies, std::size_t first);
 struct LoweringContext {
   const std::vector<std::byte*>* window_data;  // rank r's window data as mapped here
   const net::GroupSchedule* schedule;          // nullptr: the program has no network op
-  std::size_t handoff;                         // the handoff kernel's first step; steps.size(): none
+  std::size_t cast-to-peers kernel;                         // the cast-to-peers kernel's first step; steps.size(): none
 };
 
 // `program` has passed validate_run with `bindings`. Fills `out` (cleared first).

@@ -118,7 +118,7 @@ void CudaExecutor::Impl::collect_timings() {
     double& cta_us = t.kind == KernelKind::kCast      ? stats.cast_cta_us
                      : t.kind == KernelKind::kReduce  ? stats.reduce_cta_us
                      : t.kind == KernelKind::kCopy    ? stats.copy_cta_us
-                     : t.kind == KernelKind::kHandoff ? stats.handoff_cta_us
+                     : t.kind == KernelKind::kCastToPeers ? stats.cast_to_peers_cta_us
                                                       : stats.network_cta_us;
     cta_us += 1000.0 * ms * t.ctas;
     (void)cudaEventDestroy(t.start);
@@ -212,7 +212,7 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
   const int rank = window.rank();
   const int world = window.world();
   validate_run(program, bindings, rank, world, window.data_bytes(), window.data(rank),
-               /*net_supported=*/d.network != nullptr || window.reach() == CudaReach::kHost);
+               /*net_supported=*/d.network != nullptr || window.scope() == CudaWindowScope::kHost);
   d.throw_if_failed();
   const uint64_t epoch = window.next_epoch();
   const uint64_t tag = program.tag();

@@ -119,7 +119,7 @@ struct PendingWait {
   std::size_t bytes = 0;               // kMailbox receive: its bytes
 };
 
-enum class KernelKind : uint8_t { kCast, kReduce, kCopy, kNetPull, kHandoff };
+enum class KernelKind : uint8_t { kCast, kReduce, kCopy, kNetPull, kCastToPeers };
 
 struct KernelTiming {
   cudaEvent_t start;
@@ -145,7 +145,7 @@ struct CudaExecutor::Impl {
   std::chrono::milliseconds timeout;
   NcclComm* network;
   const cuda_detail::DriverApi& api;
-  cudaStream_t net_stream = nullptr;   // created at the first multi-node program
+  cudaStream_t net_stream = nullptr;   // created at the first across-node program
   // IPC network: a group's transfers with its second, third... peer run on these, so none waits
   // behind another peer's (NCCL runs a group's transfers concurrently too).
   std::vector<cudaStream_t> peer_streams;
@@ -229,8 +229,8 @@ struct CudaExecutor::Impl {
   void launch_reduces(const lowering::Command& c);
   void launch_copies(std::size_t first, std::size_t count);
   void enqueue_engine_copies(std::size_t first, std::size_t count);
-  std::size_t handoff_start(const Program& program) const;
-  void enqueue_handoff(const std::vector<Step>& steps, std::size_t first, const Resolve& resolve,
+  std::size_t cast_to_peers_start(const Program& program) const;
+  void enqueue_cast_to_peers(const std::vector<Step>& steps, std::size_t first, const Resolve& resolve,
                        uint64_t epoch, uint64_t tag);
   void enqueue_copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                        std::size_t width, std::size_t rows);

@@ -1,4 +1,4 @@
-// The CUDA executor's CUDA IPC transport (CudaReach::kHost windows, no communicator): the host
+// The CUDA executor's CUDA IPC transport (CudaWindowScope::kHost windows, no communicator): the host
 // transport's protocol on the GPU. A send posts its (offset, bytes, epoch, tag) into the receiver's
 // mailbox with stream writes; a receive waits for the post (stream waits that also check epoch, tag
 // and bytes), pulls the bytes with a kernel and counts the send as taken in the sender's mailbox;
@@ -37,7 +37,7 @@ void CudaExecutor::Impl::write_word(cudaStream_t on, uint64_t* word, uint64_t va
                                          CU_STREAM_WRITE_VALUE_DEFAULT));
 }
 
-// One group over CUDA IPC (window.reach() == kHost). Each peer's sends and receives run in
+// One group over CUDA IPC (window.scope() == kHost). Each peer's sends and receives run in
 // program order on a stream of their own (the first peer's on the network stream, the others'
 // forked from it), so no transfer waits behind another peer's, and a send past the mailbox's
 // depth waits only for that peer to receive; the group ends once they all have and its sends

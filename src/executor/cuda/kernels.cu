@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) reduce_kernel(const __grid_
     reduce_table_tile(table.tasks(), table.num_tasks, table.sources(), table.num_sources, tile, t);
 }
 
-// ---- Handoff: a small program's stores, signals, waits and reduces in one kernel. -------------
+// ---- Cast-to-peers kernel: a small program's stores, signals, waits and reduces in one kernel. -------------
 
 struct CopyTask {
   const std::byte* src;
@@ -309,7 +309,7 @@ struct CopyTask {
 };
 constexpr int64_t kCopyTileBytes = kTileElements * 2;  // a bf16 cast tile's bytes
 
-struct HandoffTable {
+struct CastToPeersTable {
   int num_casts;
   int num_copies;
   int num_reduces;
@@ -325,14 +325,14 @@ struct HandoffTable {
   unsigned int* arrivals;
   uint64_t* reached;
   uint64_t* passed;
-  uint64_t* signals[kHandoffPeers];
-  const uint64_t* waits[kHandoffPeers];
-  CastTask casts[kHandoffCasts];
-  CopyTask copies[kHandoffCopies];
-  ReduceTask reduces[kHandoffReduces];
-  const void* sources[kHandoffSources];
+  uint64_t* signals[kCastToPeersPeers];
+  const uint64_t* waits[kCastToPeersPeers];
+  CastTask casts[kCastToPeersCasts];
+  CopyTask copies[kCastToPeersCopies];
+  ReduceTask reduces[kCastToPeersReduces];
+  const void* sources[kCastToPeersSources];
 };
-static_assert(sizeof(HandoffTable) <= 32764, "handoff table exceeds the kernel parameter limit");
+static_assert(sizeof(CastToPeersTable) <= 32764, "cast-to-peers kernel table exceeds the kernel parameter limit");
 
 __device__ __forceinline__ void store_release_system(uint64_t* word, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
@@ -346,7 +346,7 @@ __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* word) {
 
 // Bytes [begin, end) of dst from src, zeros past `valid`: this thread takes every `lanes`-th
 // 16-B vector (every `lanes`-th byte unless `vectorized`: pointers, begin, end and valid all
-// multiples of 16) from `lane` on. The handoff kernel's copies and the IPC network's pull.
+// multiples of 16) from `lane` on. The cast-to-peers kernel's copies and the IPC network's pull.
 __device__ __forceinline__ void copy_bytes(std::byte* dst, const std::byte* src, uint64_t begin,
                                            uint64_t end, uint64_t valid, uint64_t lane,
                                            uint64_t lanes, bool vectorized) {
@@ -370,7 +370,7 @@ __device__ __forceinline__ void copy_table_tile(const CopyTask* tasks, int num_t
 }
 
 // kernels.cuh says what it does and why; FlagWord is {epoch, tag}.
-__global__ void __launch_bounds__(kThreadsPerCta, 4) handoff_kernel(const __grid_constant__ HandoffTable table) {
+__global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const __grid_constant__ CastToPeersTable table) {
   int t = 0;
   for (int64_t tile = blockIdx.x; tile < table.cast_tiles; tile += gridDim.x)
     cast_table_tile(table.casts, table.num_casts, tile, t);
@@ -579,7 +579,7 @@ void preload_kernels() {
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, copy_kernel<SmallCopyTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, copy_kernel<LargeCopyTable>));
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, net_pull_kernel));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, handoff_kernel));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_to_peers_kernel));
 }
 
 int ctas_per_sm() {
@@ -688,28 +688,28 @@ LaunchInfo launch_copies(const CopySpec* specs, std::size_t num_specs, cudaStrea
   return info;
 }
 
-bool handoff_fits(std::size_t casts, std::size_t copies, int signals, int waits,
+bool cast_to_peers_fits(std::size_t casts, std::size_t copies, int signals, int waits,
                   std::size_t reduces, int num_sources) {
-  return casts <= kHandoffCasts && copies <= kHandoffCopies && signals <= kHandoffPeers &&
-         waits <= kHandoffPeers && reduces <= kHandoffReduces &&
-         reduces * static_cast<std::size_t>(num_sources) <= kHandoffSources;
+  return casts <= kCastToPeersCasts && copies <= kCastToPeersCopies && signals <= kCastToPeersPeers &&
+         waits <= kCastToPeersPeers && reduces <= kCastToPeersReduces &&
+         reduces * static_cast<std::size_t>(num_sources) <= kCastToPeersSources;
 }
 
-LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream) {
-  TIDE_CHECK_ARG(handoff_fits(spec.num_casts, spec.num_copies, spec.num_signals, spec.num_waits,
+LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream) {
+  TIDE_CHECK_ARG(cast_to_peers_fits(spec.num_casts, spec.num_copies, spec.num_signals, spec.num_waits,
                               spec.num_reduces, spec.num_sources),
-                 "launch_handoff", "spec",
+                 "launch_cast_to_peers", "spec",
                  detail::concat(spec.num_casts, " casts, ", spec.num_copies, " copies, ",
                                 spec.num_signals, " signals, ", spec.num_waits, " waits, ",
                                 spec.num_reduces, " reduces of ", spec.num_sources, " sources"),
-                 detail::concat("at most ", kHandoffCasts, " casts, ", kHandoffCopies, " copies, ",
-                                kHandoffPeers, " signals and waits, ", kHandoffReduces,
-                                " reduces, ", kHandoffSources, " sources in all"));
-  TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_handoff", "arrivals", "null",
+                 detail::concat("at most ", kCastToPeersCasts, " casts, ", kCastToPeersCopies, " copies, ",
+                                kCastToPeersPeers, " signals and waits, ", kCastToPeersReduces,
+                                " reduces, ", kCastToPeersSources, " sources in all"));
+  TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_cast_to_peers", "arrivals", "null",
                  "the window's CTA counter when the kernel signals");
   TIDE_CHECK_ARG(spec.num_waits == 0 || (spec.reached && spec.passed),
-                 "launch_handoff", "marks", "null", "the watchdog's marks when the kernel waits");
-  HandoffTable table{};
+                 "launch_cast_to_peers", "marks", "null", "the watchdog's marks when the kernel waits");
+  CastToPeersTable table{};
   for (std::size_t i = 0; i < spec.num_casts; ++i) {
     const CastSpec& c = spec.casts[i];
     if (c.count + c.pad == 0) continue;
@@ -748,14 +748,14 @@ LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream) {
   table.arrivals = spec.arrivals;
   table.reached = spec.reached;
   table.passed = spec.passed;
-  // One CTA per SM and rank on this GPU: with the handoffs of an all-gather and a reduce-scatter
+  // One CTA per SM and rank on this GPU: with the cast-to-peers kernels of an all-gather and a reduce-scatter
   // in flight on each, the spinning CTAs fill at most half of the 4 per SM that every SM holds
-  // (__launch_bounds__), so no CTA of a handoff waits for a slot that only a spinning one frees.
+  // (__launch_bounds__), so no CTA of a cast-to-peers kernel waits for a slot that only a spinning one frees.
   const int64_t cap = std::max(1, sm_count() / std::max(1, spec.ranks_on_gpu));
   const int64_t tiles = std::max({table.cast_tiles, table.copy_tiles, table.reduce_tiles, int64_t{1}});
   const int grid = static_cast<int>(std::min(tiles, cap));
-  handoff_kernel<<<grid, kThreadsPerCta, 0, stream>>>(table);
-  check_launch("handoff_kernel<<<>>>");
+  cast_to_peers_kernel<<<grid, kThreadsPerCta, 0, stream>>>(table);
+  check_launch("cast_to_peers_kernel<<<>>>");
   return {1, grid};
 }
 

@@ -99,11 +99,11 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
 // The CTAs that spin hold SMs while they wait, so this is for small buckets only, at most one CTA
 // per SM and rank on the GPU, and only where every peer's kernels can run while this one waits
 // (ranks that are threads of this process, or on other GPUs: CudaWindow::peers_run_beside_own()).
-inline constexpr int kHandoffCasts = 32;
-inline constexpr int kHandoffCopies = 32;
-inline constexpr int kHandoffReduces = 16;
-inline constexpr int kHandoffSources = 128;  // sources of all its reduces
-inline constexpr int kHandoffPeers = 16;     // signals, and waits
+inline constexpr int kCastToPeersCasts = 32;
+inline constexpr int kCastToPeersCopies = 32;
+inline constexpr int kCastToPeersReduces = 16;
+inline constexpr int kCastToPeersSources = 128;  // sources of all its reduces
+inline constexpr int kCastToPeersPeers = 16;     // signals, and waits
 
 // dst[0:bytes] = src[0:bytes], then dst[bytes:bytes + zero_bytes] = 0 (a same-type cast's pad).
 struct CopySpec {
@@ -120,14 +120,14 @@ struct CopySpec {
 inline constexpr int kLargeCopyTasks = 680;
 LaunchInfo launch_copies(const CopySpec* specs, std::size_t num_specs, cudaStream_t stream);
 
-struct HandoffSpec {
+struct CastToPeersSpec {
   const CastSpec* casts = nullptr;  // contiguous destinations only (rows == 1)
   std::size_t num_casts = 0;
   const CopySpec* copies = nullptr;
   std::size_t num_copies = 0;
-  uint64_t* signals[kHandoffPeers] = {};      // a peer's FlagWord (epoch, then tag)
+  uint64_t* signals[kCastToPeersPeers] = {};      // a peer's FlagWord (epoch, then tag)
   int num_signals = 0;
-  const uint64_t* waits[kHandoffPeers] = {};  // own FlagWords
+  const uint64_t* waits[kCastToPeersPeers] = {};  // own FlagWords
   int num_waits = 0;
   uint64_t epoch = 0;
   uint64_t tag = 0;
@@ -135,19 +135,19 @@ struct HandoffSpec {
   uint64_t* reached = nullptr;       // the watchdog's marks (device addresses of host memory)
   uint64_t* passed = nullptr;
   uint64_t wait_id = 0;
-  int ranks_on_gpu = 1;                 // ranks whose handoffs share this GPU (the grid's share)
+  int ranks_on_gpu = 1;                 // ranks whose cast-to-peers kernels share this GPU (the grid's share)
   const ReduceSpec* reduces = nullptr;  // none writing what another reads or writes
   std::size_t num_reduces = 0;
   int num_sources = 0;
 };
 
-// Whether the spec fits one launch (the k* limits above); launch_handoff throws InvalidArgument
+// Whether the spec fits one launch (the k* limits above); launch_cast_to_peers throws InvalidArgument
 // otherwise.
-bool handoff_fits(std::size_t casts, std::size_t copies, int signals, int waits,
+bool cast_to_peers_fits(std::size_t casts, std::size_t copies, int signals, int waits,
                   std::size_t reduces, int num_sources);
-LaunchInfo launch_handoff(const HandoffSpec& spec, cudaStream_t stream);
+LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream);
 
-// The CUDA IPC network's receive (CudaReach::kHost): dst[0:bytes] = peer_data[*offset:][0:bytes],
+// The CUDA IPC network's receive (CudaWindowScope::kHost): dst[0:bytes] = peer_data[*offset:][0:bytes],
 // the offset read on the device from the mailbox entry the sender posted (the receiver's host does
 // not know it). An offset past `limit - bytes` (only after the watchdog released a stuck transfer)
 // copies nothing. At most kNetPullCtas CTAs, as NCCL drives a peer transfer with a few channels.

@@ -25,14 +25,14 @@
 //                 reading or writing what an earlier one of the kernel writes (up to a launch's
 //                 table: 584 of 2 sources, kernels.cuh).
 //   The tail of a Delivery::kCastToPeers program (its casts and copies, signals, waits and
-//                 reduces after the slot-free handshake) -> one handoff kernel (kernels.cuh), where
+//                 reduces after the slot-free handshake) -> one cast-to-peers kernel (kernels.cuh), where
 //                 the window's peers can run kernels beside this rank's (CudaWindow::
 //                 peers_run_beside_own), the tail fits one
-//                 launch and TIDE_CUDA_HANDOFF is not 0; the steps above otherwise.
+//                 launch and TIDE_CUDA_CAST_TO_PEERS is not 0; the steps above otherwise.
 //   NetSendOp/NetRecvOp -> grouped on a network stream, as the group schedule
 //                 (src/executor/net/group_schedule.hpp) says: issued after the stream reaches the
 //                 group's last op, waited for only by steps that touch its bytes; over NCCL
-//                 (nccl_transport.cpp) or, without a communicator on a CudaReach::kHost window,
+//                 (nccl_transport.cpp) or, without a communicator on a CudaWindowScope::kHost window,
 //                 over CUDA IPC (ipc_transport.cpp).
 #include <algorithm>
 #include <array>
@@ -68,7 +68,7 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
   if (window_data.empty())
     for (int r = 0; r < window.world(); ++r) window_data.push_back(window.data(r));
   const lowering::LoweringContext context{&window_data, has_net ? &schedule : nullptr,
-                                          has_net ? steps.size() : handoff_start(program)};
+                                          has_net ? steps.size() : cast_to_peers_start(program)};
   lowering::lower(program, bindings, context, commands);
 
   std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
@@ -81,7 +81,7 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
         if (schedule.wait_before[c.step] >= 0)
           TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, group_done[schedule.wait_before[c.step]], 0));
         break;
-      case lowering::CommandKind::kHandoff: enqueue_handoff(steps, c.step, resolve, epoch, tag); break;
+      case lowering::CommandKind::kCastToPeers: enqueue_cast_to_peers(steps, c.step, resolve, epoch, tag); break;
       case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve); break;
       case lowering::CommandKind::kReduceKernel: launch_reduces(c); break;
       case lowering::CommandKind::kCopy2D: {
@@ -105,9 +105,9 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
 
 namespace {
 
-bool handoff_enabled() {
+bool cast_to_peers_enabled() {
   static const bool enabled = [] {
-    const char* text = std::getenv("TIDE_CUDA_HANDOFF");
+    const char* text = std::getenv("TIDE_CUDA_CAST_TO_PEERS");
     return !(text && std::string(text) == "0");
   }();
   return enabled;
@@ -115,14 +115,14 @@ bool handoff_enabled() {
 
 }  // namespace
 
-// Where the handoff kernel takes over: the first step of the program's tail of stores (contiguous
+// Where the cast-to-peers kernel takes over: the first step of the program's tail of stores (contiguous
 // casts, 1-D copies), signals, waits and reduces, when the program and the executor allow it
 // (lowering's header); steps.size() otherwise.
-std::size_t CudaExecutor::Impl::handoff_start(const Program& program) const {
+std::size_t CudaExecutor::Impl::cast_to_peers_start(const Program& program) const {
   const std::vector<Step>& steps = program.steps;
   const std::size_t none = steps.size();
   if (program.delivery != Delivery::kCastToPeers || !window.peers_run_beside_own() ||
-      !handoff_enabled())
+      !cast_to_peers_enabled())
     return none;
   std::size_t k = steps.size(), reduces = 0, sources = 0;
   for (; k > 0; --k) {
@@ -150,21 +150,21 @@ std::size_t CudaExecutor::Impl::handoff_start(const Program& program) const {
       break;
     }
   }
-  return cuda_kernels::handoff_fits(casts, copies, signals, waits, reduces, static_cast<int>(sources))
+  return cuda_kernels::cast_to_peers_fits(casts, copies, signals, waits, reduces, static_cast<int>(sources))
              ? k
              : none;
 }
 
-// The tail from `first` on (handoff_start) as one handoff kernel: its stores, its signals, its
+// The tail from `first` on (cast_to_peers_start) as one cast-to-peers kernel: its stores, its signals, its
 // waits as one watched record (the kernel writes the marks), its reduces.
-void CudaExecutor::Impl::enqueue_handoff(const std::vector<Step>& steps, std::size_t first,
+void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, std::size_t first,
                                          const Resolve& resolve, uint64_t epoch, uint64_t tag) {
   const int rank = window.rank(), world = window.world();
   std::vector<cuda_kernels::CastSpec> casts;
   std::vector<cuda_kernels::CopySpec> copies;
   std::vector<const void*> sources;  // filled before the specs point into it
   std::vector<std::size_t> reduce_steps;
-  cuda_kernels::HandoffSpec spec;
+  cuda_kernels::CastToPeersSpec spec;
   spec.epoch = epoch, spec.tag = tag;
   spec.arrivals = window.arrivals();
   spec.ranks_on_gpu = window.ranks_on_gpu();
@@ -214,8 +214,8 @@ void CudaExecutor::Impl::enqueue_handoff(const std::vector<Step>& steps, std::si
     spec.passed = reinterpret_cast<uint64_t*>(marks->passed_address(record->slot));
     spec.wait_id = record->id;
   }
-  launch_timed(KernelKind::kHandoff, stream, [&] { return cuda_kernels::launch_handoff(spec, stream); });
-  ++stats.handoff_kernels;
+  launch_timed(KernelKind::kCastToPeers, stream, [&] { return cuda_kernels::launch_cast_to_peers(spec, stream); });
+  ++stats.cast_to_peers_kernels;
   if (record) watch(std::move(*record));
 }
 

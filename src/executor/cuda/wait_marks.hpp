@@ -1,6 +1,6 @@
 // Where each stream of an executor has got to, for the watchdog, without a driver call: per stream
 // two words in mapped pinned host memory that the stream itself writes around every watched wait,
-// in the same cuStreamBatchMemOp as the waits (a handoff kernel, kernels.cuh, writes them itself):
+// in the same cuStreamBatchMemOp as the waits (a cast-to-peers kernel, kernels.cuh, writes them itself):
 //   reached = id of the last watched wait the stream arrived at (the watchdog's clock starts),
 //   passed  = id of the last one it got past (the watchdog retires it).
 // Wait ids come from one process-wide counter, so they only grow: a slot handed to another stream

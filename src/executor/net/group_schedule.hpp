@@ -57,7 +57,7 @@ GroupSchedule schedule_groups(const Program& program);
 std::string simulate_groups(const std::vector<Program>& programs,
                             const std::vector<GroupSchedule>& schedules);
 
-// The same question for the CUDA IPC network (CudaReach::kHost windows, CudaExecutor without
+// The same question for the CUDA IPC network (CudaWindowScope::kHost windows, CudaExecutor without
 // NCCL), whose semantics differ from NCCL's: a rank's groups run one after another; inside a
 // group, each peer's ops run in program order (one stream per peer); a send may be posted only
 // while fewer than kNetQueueDepth of its earlier sends to that peer on that channel are still
