@@ -66,7 +66,7 @@ class Lowering {
     for (std::size_t i = 0; i < steps_.size();) {
       network_actions(i);
       const Step& step = steps_[i];
-      if (i == context_.cast-to-peers kernel) {
+      if (i == context_.cast_to_peers_step) {
         out_.commands.push_back({CommandKind::kCastToPeers, i, steps_.size()});
         return;  // the cast-to-peers kernel tail never holds network ops
       }

@@ -92,7 +92,7 @@ std::size_t kernel_copies(std::vector<Copy>& copies, std::size_t first);
 struct LoweringContext {
   const std::vector<std::byte*>* window_data;  // rank r's window data as mapped here
   const net::GroupSchedule* schedule;          // nullptr: the program has no network op
-  std::size_t cast-to-peers kernel;                         // the cast-to-peers kernel's first step; steps.size(): none
+  std::size_t cast_to_peers_step;                       // the cast-to-peers kernel's first step; steps.size(): none
 };
 
 // `program` has passed validate_run with `bindings`. Fills `out` (cleared first).
