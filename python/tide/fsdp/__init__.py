@@ -106,7 +106,7 @@ def _specs(param_group, param_name) -> list:
     return [_tide.ParamSpec(param_name(fp, i), list(_fsdp2.unsharded_shape(fp)),
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[1]],
                             TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[0]],
-                            shard_dim=fp.fsdp_placement.dim)
+                            shard_dim=_fsdp2.shard_dim(fp))
             for i, fp in enumerate(param_group.fsdp_params) if _fsdp2.has_bytes(fp)]
 
 
@@ -116,7 +116,7 @@ def _identity(path: str, param_group, reason: str, param_name, gather) -> list:
     whether TIDE takes it."""
     inputs = gather.describe() if gather is not None else [None] * len(param_group.fsdp_params)
     params = [[param_name(fp, i), list(_fsdp2.unsharded_shape(fp)), str(_fsdp2.dtypes(fp, param_group)[0]),
-               str(_fsdp2.dtypes(fp, param_group)[1]), fp.fsdp_placement.dim, inputs[i]]
+               str(_fsdp2.dtypes(fp, param_group)[1]), _fsdp2.shard_dim(fp), inputs[i]]
               for i, fp in enumerate(param_group.fsdp_params)]
     return [path, params, reason]
 

@@ -24,17 +24,17 @@ _stores: dict = {}  # id -> store: keeps each store alive, so its id is never re
 _lock = threading.Lock()
 
 
-def _group_ranks(group) -> tuple:
+def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def exchange(group, topic: str, mine: str, timeout_ms: int) -> list:
+def exchange(group: dist.ProcessGroup, topic: str, mine: str, timeout_ms: int) -> list[str]:
     """Every group rank's `mine`, in group-rank order. A rank missing after `timeout_ms` is a
     TimeoutError naming it (it never called, or called a different number of times)."""
     return _exchange(group, topic, mine, timeout_ms)[1]
 
 
-def _exchange(group, topic: str, mine: str, timeout_ms: int) -> tuple:
+def _exchange(group: dist.ProcessGroup, topic: str, mine: str, timeout_ms: int) -> tuple[int, list[str]]:
     store = dist.distributed_c10d._get_default_store()
     ranks, rank = _group_ranks(group), group.rank()
     base = f"tide/{topic}/{'-'.join(map(str, ranks))}"
@@ -56,7 +56,7 @@ def _exchange(group, topic: str, mine: str, timeout_ms: int) -> tuple:
     return n, [store.get(k).decode() for k in keys]
 
 
-def check_agreement(group, options: dict, entries: list, timeout_ms: int) -> int:
+def check_agreement(group: dist.ProcessGroup, options: dict, entries: list, timeout_ms: int) -> int:
     """Raises tide.DesyncError on every rank of `group` unless every rank passed equal `options`
     (enable's arguments that shape windows and programs) and `entries` (JSON-able descriptions of
     the group's param groups in module order). Returns the round: how many agreements this rank
@@ -91,7 +91,7 @@ def check_agreement(group, options: dict, entries: list, timeout_ms: int) -> int
     raise AssertionError("unreachable: the lists differ")
 
 
-def _difference(a, b) -> str:
+def _difference(a: list | None, b: list | None) -> str:
     """The first thing that differs between two param-group identities [path, params, decision]."""
     if a is None or b is None:
         present = a if a is not None else b
@@ -109,7 +109,7 @@ def _difference(a, b) -> str:
     return f"module {path_a!r}: TIDE {_decision(decision_a)} vs {_decision(decision_b)}"
 
 
-def _param(p) -> str:
+def _param(p: list | None) -> str:
     if p is None:
         return "none"
     return (f"{p[0]} {p[1]} {p[2]}/{p[3]}" + (f" sharded on dim {p[4]}" if p[4] else "")

@@ -1,18 +1,23 @@
-"""One FSDP2 param group handled by TIDE ("bucket"): its layout and plans, the fixed address its
-unsharded parameters live at, the pooled window mapped there now, and its two collectives."""
+"""One FSDP2 param group handled by TIDE ("bucket"): its layout and plans, its unsharded parameters'
+views of the fixed address its window lease maps windows at (_window.py), and its two collectives."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .. import _tide
 from . import _fsdp2
+from ._pool import WindowPool
+from ._window import WindowLease
+
+if TYPE_CHECKING:  # _extension imports this module
+    from ._extension import ExtensionGather
 
 TORCH_TO_TIDE = {torch.bfloat16: _tide.DType.bf16, torch.float16: _tide.DType.fp16,
                  torch.float32: _tide.DType.fp32}
@@ -23,7 +28,7 @@ TIDE_TO_TORCH = {**{v: k for k, v in TORCH_TO_TIDE.items()}, _tide.DType.u8: tor
 class DeviceBytes:
     """`nbytes` of device memory at `ptr`, as a __cuda_array_interface__ for a zero-copy tensor."""
 
-    def __init__(self, ptr: int, nbytes: int):
+    def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None, "stream": None}
 
@@ -31,7 +36,7 @@ class DeviceBytes:
 class Counts:
     """TIDE's collectives since the last reset, as a user reads them from the handle."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -52,7 +57,7 @@ class Counts:
 _profiler_on = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
 
-def _profiled(label, cuda: bool):
+def _profiled(label: Callable[[], str], cuda: bool) -> contextlib.ExitStack:
     """A profiler range (torch.profiler's record_function) while a profiler records and, on CUDA,
     an NVTX range. `label()` builds the name: only when a range is opened (record_function costs
     ~10 us of host time per call even with no profiler, three times per group and step)."""
@@ -65,8 +70,9 @@ def _profiled(label, cuda: bool):
 
 
 class Bucket:
-    def __init__(self, bucket_id: int, path: str, param_group, group, layout, across_nodes, counts: Counts,
-                 gather=None):
+    def __init__(self, bucket_id: int, path: str, param_group: _fsdp2.FSDPParamGroup, group: dist.ProcessGroup,
+                 layout: _tide.BucketLayout, across_nodes: _tide.AcrossNodesOptions, counts: Counts,
+                 gather: ExtensionGather | None = None) -> None:
         self.id, self.path, self.param_group, self.group = bucket_id, path, param_group, group
         self.fsdp_params = list(param_group.fsdp_params)
         # The params with bytes, in layout order (layout.params[i] is laid_out[i]); a frozen
@@ -89,33 +95,30 @@ class Bucket:
         shard_numels = iter(p.shard_numel for p in layout.params)
         self.numels = [next(shard_numels) if _fsdp2.has_bytes(fp) else 0 for fp in self.fsdp_params]
         self.rs_programs: dict = {}
-        self.pool = None
-        self.range = None
+        self.pool: WindowPool | None = None
+        self.lease: WindowLease | None = None  # the bucket's windows: acquire, map, vacate, stage, release
         self.param_outputs: list[torch.Tensor] = []  # per layout param: its view of the fixed address
         self.all_gather_outputs: list[torch.Tensor] = []  # per FSDP param, what FSDP2 builds it from
         self.storage: _fsdp2.UnshardedStorage | None = None  # the outputs' storages, freed at reshard
-        self.window = None  # the PooledWindow this bucket holds now
-        self.mapped = None  # the PooledWindow mapped at the fixed address (kept after release)
-        self.vacated = False
 
-    def attach(self, pool) -> None:
+    def attach(self, pool: WindowPool) -> None:
         self.pool = pool
         self.cuda = pool.device.type == "cuda"
-        self.range = (_tide.CudaAddressRange if self.cuda else _tide.HostAddressRange)(pool.window_bytes)
-        self.freed = None  # CUDA: event on the compute stream after the params' last use
+        self.lease = WindowLease(pool, self.counts)
 
     def _ensure_param_outputs(self) -> None:
         # One tensor per param over the bucket's fixed address, each with its own storage starting at
         # the param (FSDP2 views it with as_strided(storage_offset=0)); created once, never resized.
         if self.param_outputs:
             return
+        base = self.lease.range.ptr
         for p in self.gather_layout.params:
             nbytes = self.layout.world * p.slot_bytes
             if self.cuda:
-                raw = torch.as_tensor(DeviceBytes(self.range.ptr + p.window_offset, nbytes),
+                raw = torch.as_tensor(DeviceBytes(base + p.window_offset, nbytes),
                                       device=self.pool.device)
             else:
-                raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.range.ptr + p.window_offset),
+                raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base + p.window_offset),
                                        dtype=torch.uint8)
             self.param_outputs.append(raw.view(TIDE_TO_TORCH[p.dtype]))
         self.storage = _fsdp2.UnshardedStorage(self.param_outputs)
@@ -131,24 +134,7 @@ class Bucket:
         self.result_numels = [[n] for n in self.numels]
         self.result_dtypes = [[out.dtype] for out in self.all_gather_outputs]
 
-    def _map_window(self) -> None:
-        if self.mapped is self.window:
-            # Still mapped here since this bucket last held it (windows map at several addresses
-            # at once): no remap, so no host wait; the window's `ready` event orders its reuse.
-            return
-        self.counts.remaps += 1
-        self.mapped = None  # until the new mapping is in place
-        if self.cuda:
-            # The range is remapped by the host: the params' last readers (kernels on the compute
-            # stream, recorded when FSDP2 freed them) must be done with the old mapping.
-            if self.freed is not None:
-                self.freed.synchronize()
-            self.range.map_data_of(self.window.shared)
-        else:
-            self.range.map_data_of(self.window.shared)
-        self.mapped = self.window
-
-    def check_state(self, all_gather_comm) -> None:
+    def check_state(self, all_gather_comm: object) -> None:
         """Refuses FSDP2 settings changed after enable that TIDE would silently override."""
         if not _fsdp2.is_default_comm(all_gather_comm, "all_gather"):
             raise ValueError(f"tide.fsdp: param group {self.path}: a custom all-gather comm "
@@ -158,19 +144,8 @@ class Bucket:
             raise ValueError(f"tide.fsdp: param group {self.path}: reshard_after_forward became an int "
                              "after tide.fsdp.enable; set it before enable (the group then stays stock)")
 
-    def all_gather(self, stream=None):
-        if self.window is None:
-            window = self.pool.acquire(prefer=self.mapped)
-            self.window = window
-            try:
-                self._map_window()
-            except BaseException:  # not mapped: not this bucket's, so back to the pool
-                self.window = None
-                self.pool.release(window)
-                raise
-        elif self.vacated:  # freed, then gathered again before anyone else took the window
-            self.pool.pending.remove(self)
-        self.vacated = False
+    def all_gather(self, stream: torch.cuda.Stream | None = None) -> _fsdp2.AllGatherResult:
+        window = self.lease.acquire_for_all_gather()
         self._ensure_param_outputs()
         event = None
         with _profiled(lambda: f"tide::all_gather {self.path} ({self.ag_bytes} B)", self.cuda):
@@ -181,12 +156,12 @@ class Bucket:
                 stream.wait_stream(torch.cuda.current_stream(self.pool.device))
                 with torch.cuda.stream(stream):
                     shards = self._shards(stream)
-                self.window.use_on(stream)
-                self.window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
+                window.use_on(stream)
+                window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
                 event = stream.record_event()
             else:  # `shards` referenced until the program has read them (extension inputs are new tensors)
                 shards = self._shards(None)
-                self.window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
+                window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
         self.counts.all_gathers += 1
         self.counts.all_gather_bytes += self.ag_bytes
         if self.gather is not None:
@@ -195,7 +170,7 @@ class Bucket:
             numels, dtypes = self.result_numels, self.result_dtypes
         return _fsdp2.all_gather_result(self.param_outputs[0], numels, dtypes, event)
 
-    def _shards(self, stream) -> list:
+    def _shards(self, stream: torch.cuda.Stream | None) -> list[torch.Tensor]:
         """What the all-gather program reads: each laid-out param's padded shard, or with all-gather
         extensions each param's all-gather inputs (_extension.py)."""
         if self.gather is not None:
@@ -203,7 +178,7 @@ class Bucket:
                 self.fsdp_params[i], self.gather_layout.params[j], stream))
         return [self._shard(fp, p, stream) for p, fp in zip(self.layout.params, self.laid_out)]
 
-    def _shard(self, fp, p, stream) -> torch.Tensor:
+    def _shard(self, fp: _fsdp2.FSDPParam, p: _tide.ParamLayout, stream: torch.cuda.Stream | None) -> torch.Tensor:
         """FSDP param `fp`'s padded shard as the all-gather reads it for layout param `p`. With CPU
         offload on CUDA the shards live in host memory: each goes to the device by a copy engine on
         the all-gather stream (a shard-sized tensor, as stock FSDP2's own offload copy; no
@@ -225,7 +200,7 @@ class Bucket:
                                f"on {data.device}, expected {self.pool.device}")
         return data
 
-    def owns(self, all_gather_result) -> bool:
+    def owns(self, all_gather_result: _fsdp2.AllGatherResult) -> bool:
         return bool(self.param_outputs) and all_gather_result.all_gather_output is self.param_outputs[0]
 
     def copy_out(self) -> None:
@@ -236,7 +211,7 @@ class Bucket:
             _fsdp2.set_all_gather_outputs(fp, [out])
 
     def on_params_freed(self) -> None:
-        if self.window is None:
+        if not self.lease.vacate(self.storage):
             # FSDP2 frees unsharded params only after an all-gather built them: this one ran
             # without TIDE, so TIDE's window is not what the params are (or were) built on.
             raise RuntimeError(
@@ -244,31 +219,8 @@ class Bucket:
                 "its all-gather ran past TIDE (code that replaced foreach_all_gather without "
                 "calling the original?). TIDE cannot vouch for this model's parameters; "
                 "call tide.fsdp.disable(model) before replacing FSDP2's functions")
-        if not self.vacated:
-            # Where stock frees the outputs' storage: from here on no view of them reads the window,
-            # which this bucket's reduce-scatter stages in or another bucket refills.
-            self.storage.release()
-            if self.cuda:  # the params' last readers were enqueued on the current stream
-                self.freed = torch.cuda.current_stream(self.pool.device).record_event()
-                self.window.ready = self.freed
-            self.vacated = True
-            self.pool.pending.append(self)
 
-    def release_window(self) -> None:
-        if self.window is not None:
-            self.pool.release(self.window)
-        self.window, self.vacated = None, False
-
-    def take_staging_window(self):
-        """The window the reduce-scatter stages in: the one the all-gather vacated (Slot-Reuse),
-        or a pool window when this bucket's params are still in use (reshard_after_backward=False)."""
-        if self.window is not None and self.vacated:
-            self.pool.pending.remove(self)
-            window, self.window, self.vacated = self.window, None, False
-            return window
-        return self.pool.acquire()
-
-    def rs_program(self, subset: tuple, grad_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    def rs_program(self, subset: tuple[int, ...], grad_dtype: torch.dtype, reduce_dtype: torch.dtype,
                    options_key: tuple) -> "RsPlan":
         key = (subset, grad_dtype, reduce_dtype, options_key)
         program = self.rs_programs.get(key)
@@ -305,19 +257,20 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
     (copy-in is skipped for it), and the "collective" is TIDE-RS from the per-parameter gradients
     straight into the output shard."""
 
-    def __init__(self, bucket: Bucket, subset: tuple, divide_factor):
+    def __init__(self, bucket: Bucket, subset: tuple[int, ...], divide_factor: float | None) -> None:
         self.bucket, self.subset, self.divide_factor = bucket, subset, divide_factor
         self.input_standin: torch.Tensor | None = None
         self.grads: list[torch.Tensor] | None = None
 
-    def allocate(self, size, *, dtype, device):
+    def allocate(self, size: torch.Size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.input_standin is None:
             numel = math.prod(size)
             self.input_standin = torch.empty(1, dtype=dtype, device=device).expand(numel)
             return self.input_standin
         return torch.empty(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup | None = None, op: object = None, async_op: bool = False) -> None:
         if input_tensor is not self.input_standin or self.grads is None:
             raise RuntimeError("tide.fsdp: reduce-scatter called without TIDE's gradient hand-off "
                                "(FSDP2 internals changed?)")
@@ -334,11 +287,7 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
         base = output_tensor.data_ptr()
         outputs = [base + offset for offset in plan.output_offsets]
         inputs = list(map(torch.Tensor.data_ptr, grads))
-        if program.window_bytes > bucket.pool.window_bytes:
-            staging_pool = bucket.pool.wide_pool(program.window_bytes)
-            window = staging_pool.acquire()
-        else:
-            staging_pool, window = bucket.pool, bucket.take_staging_window()
+        window = bucket.lease.staging_window(program.window_bytes)
         nbytes = plan.grad_bytes
         bucket.counts.reduce_scatters += 1
         bucket.counts.reduce_scatter_bytes += nbytes
@@ -354,6 +303,6 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
                 else:
                     window.executor.run(program, inputs, outputs)
         finally:
-            staging_pool.release(window)
+            bucket.lease.release_staging(window)
             self.grads = None
         return None

@@ -7,22 +7,23 @@ import logging
 import threading
 
 import torch
+import torch.distributed as dist
 
 from . import _fallbacks, _fsdp2, _hooks
-from ._bucket import ReduceScatterComm
+from ._bucket import Bucket, ReduceScatterComm
 
 log = logging.getLogger("tide.fsdp")
 _logged: set = set()
 _local = threading.local()  # reduce-scatter comms between foreach_reduce and its copy-in (per rank thread)
 
 
-def _log_once(key, message, *args) -> None:
+def _log_once(key: tuple, message: str, *args: object) -> None:
     if key not in _logged:
         _logged.add(key)
         log.warning(message, *args)
 
 
-def _bucket_of(fsdp_params):
+def _bucket_of(fsdp_params: list[_fsdp2.FSDPParam] | None) -> Bucket | None:
     if not fsdp_params:
         return None
     bucket = getattr(fsdp_params[0], "_tide_bucket", None)
@@ -31,7 +32,7 @@ def _bucket_of(fsdp_params):
     return bucket
 
 
-def foreach_all_gather(*args, **kwargs):
+def foreach_all_gather(*args: object, **kwargs: object) -> _fsdp2.AllGatherResult | None:
     call = _hooks.Call("foreach_all_gather", args, kwargs)
     fsdp_params = call.get("fsdp_params")
     bucket = _bucket_of(fsdp_params)
@@ -42,7 +43,8 @@ def foreach_all_gather(*args, **kwargs):
         return bucket.all_gather(call.get("all_gather_stream") if bucket.cuda else None)
 
 
-def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **kwargs):
+def foreach_all_gather_copy_out(all_gather_result: _fsdp2.AllGatherResult, fsdp_params: list[_fsdp2.FSDPParam],
+                                group: dist.ProcessGroup, *args: object, **kwargs: object) -> None:
     bucket = _bucket_of(fsdp_params)
     if bucket is None:
         return _hooks.stock("foreach_all_gather_copy_out")(all_gather_result, fsdp_params, group, *args, **kwargs)
@@ -58,7 +60,7 @@ def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **
     return None
 
 
-def foreach_reduce(*args, **kwargs):
+def foreach_reduce(*args: object, **kwargs: object) -> object:
     call = _hooks.Call("foreach_reduce", args, kwargs)
     fsdp_params, grads = call.get("fsdp_params"), call.get("unsharded_grads")
     bucket = _bucket_of(fsdp_params)
@@ -81,13 +83,14 @@ def foreach_reduce(*args, **kwargs):
         pending.remove(comm)
 
 
-def _pending_comms() -> list:
+def _pending_comms() -> list[ReduceScatterComm]:
     if not hasattr(_local, "comms"):
         _local.comms = []
     return _local.comms
 
 
-def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size):
+def foreach_reduce_scatter_copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor,
+                                   world_size: int) -> None:
     for comm in _pending_comms():
         if reduce_scatter_input is comm.input_standin:
             comm.grads = list(unsharded_grads)  # keeps them alive until TIDE-RS has read them
@@ -95,7 +98,7 @@ def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_
     return _hooks.stock("foreach_reduce_scatter_copy_in")(unsharded_grads, reduce_scatter_input, world_size)
 
 
-def free_unsharded_param(self):
+def free_unsharded_param(self: _fsdp2.FSDPParam) -> None:
     bucket = getattr(self, "_tide_bucket", None)
     if bucket is None:
         return _hooks.stock("free_unsharded_param")(self)

@@ -21,6 +21,8 @@ rank calls enable), and each all-gather checks them again.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .. import _tide
@@ -28,7 +30,7 @@ from . import _fsdp2
 from ._bucket import TORCH_TO_TIDE
 
 
-def uses_extension(param_group) -> bool:
+def uses_extension(param_group: _fsdp2.FSDPParamGroup) -> bool:
     return any(_fsdp2.has_extension(fp) for fp in param_group.fsdp_params)
 
 
@@ -38,7 +40,7 @@ class Entry:
 
     __slots__ = ("index", "dtype", "numel")
 
-    def __init__(self, index: int, dtype: torch.dtype, numel: int):
+    def __init__(self, index: int, dtype: torch.dtype, numel: int) -> None:
         self.index, self.dtype, self.numel = index, dtype, numel
 
     def describe(self) -> list:
@@ -49,7 +51,8 @@ class ExtensionGather:
     """The gather layout of a param group with extension params, and the hand-off to FSDP2: which
     tensors each param's all-gather reads, and the window views its outputs are."""
 
-    def __init__(self, param_group, param_name, topology):
+    def __init__(self, param_group: _fsdp2.FSDPParamGroup, param_name: _fsdp2.ParamName,
+                 topology: _tide.Topology) -> None:
         self.world = topology.world
         self.fsdp_params = list(param_group.fsdp_params)
         self.entries: list[list[Entry]] = []  # per param, one Entry per all-gather input
@@ -60,7 +63,7 @@ class ExtensionGather:
                 orig, comm = _fsdp2.dtypes(fp, param_group)
                 self.entries.append([Entry(len(specs), comm, _fsdp2.padded_shard_shape(fp).numel())])
                 specs.append(_tide.ParamSpec(name, list(_fsdp2.unsharded_shape(fp)), TORCH_TO_TIDE[comm],
-                                             TORCH_TO_TIDE[orig], shard_dim=fp.fsdp_placement.dim))
+                                             TORCH_TO_TIDE[orig], shard_dim=_fsdp2.shard_dim(fp)))
                 continue
             entries = []
             for j, t in enumerate(_fsdp2.extension_inputs(fp)):
@@ -77,7 +80,8 @@ class ExtensionGather:
         return [[e.describe() for e in entries] if _fsdp2.has_extension(fp) else None
                 for fp, entries in zip(self.fsdp_params, self.entries)]
 
-    def shards(self, fsdp_params, plain_shard) -> list:
+    def shards(self, fsdp_params: list[_fsdp2.FSDPParam],
+               plain_shard: Callable[[int, int], torch.Tensor]) -> list[torch.Tensor]:
         """What the all-gather program reads, one tensor per layout param: each extension param's
         all-gather inputs (``fsdp_pre_all_gather`` runs here, as in stock FSDP2's all-gather; it
         also records the metadata FSDP2 hands ``fsdp_post_all_gather``), and `plain_shard(i)` for
@@ -102,20 +106,20 @@ class ExtensionGather:
                 shards.append(t)
         return shards
 
-    def input_numels(self) -> list:
+    def input_numels(self) -> list[list[int]]:
         return [[e.numel for e in entries] for entries in self.entries]
 
-    def input_dtypes(self) -> list:
+    def input_dtypes(self) -> list[list[torch.dtype]]:
         return [[e.dtype for e in entries] for entries in self.entries]
 
-    def set_outputs(self, raw: list) -> None:
+    def set_outputs(self, raw: list[torch.Tensor]) -> None:
         """Builds, once, each param's all-gather outputs as FSDP2 keeps them (1-D, rank-major, the
         input's dtype) from `raw`, the bucket's per-layout-param tensors over its fixed address:
         the same tensor objects every step, so ``fsdp_post_all_gather(out=...)`` finds the outputs
         its first call wrapped."""
         self.outputs = [[raw[e.index].view(e.dtype) for e in entries] for entries in self.entries]
 
-    def copy_out(self, fsdp_params) -> None:
+    def copy_out(self, fsdp_params: list[_fsdp2.FSDPParam]) -> None:
         """Nothing to copy: each param's all-gather outputs are its window views (set once)."""
         for fp, outputs in zip(fsdp_params, self.outputs):
             _fsdp2.set_all_gather_outputs(fp, outputs)

@@ -9,13 +9,15 @@ import operator
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from .. import _tide
-from . import _fsdp2
-from ._bucket import TORCH_TO_TIDE
+from . import _fsdp2, _hooks
+from ._bucket import TORCH_TO_TIDE, Bucket
 
 
-def group_reason(param_group, group, param_name) -> str:
+def group_reason(param_group: _fsdp2.FSDPParamGroup, group: dist.ProcessGroup | None,
+                 param_name: _fsdp2.ParamName) -> str:
     """Why a param group stays stock FSDP2, from the group alone ("" if TIDE can take it)."""
     if not _fsdp2.is_sharded(param_group):
         return "not sharded (replicate(): DDP mesh), so there is no all-gather or reduce-scatter to take"
@@ -36,7 +38,7 @@ def group_reason(param_group, group, param_name) -> str:
         return "every param is zero-size (nothing to communicate)"
     for i, fp in enumerate(param_group.fsdp_params):
         name = param_name(fp, i)
-        if not _fsdp2.has_bytes(fp) and fp.sharded_param.requires_grad:
+        if not _fsdp2.has_bytes(fp) and _fsdp2.trainable(fp):
             # Frozen ones are left out of the window; a trainable one's empty gradient stock's own
             # reduce-scatter refuses (chunk_cat: "expects non-empty tensor"), so stock keeps it.
             return (f"{name} is zero-size {tuple(_fsdp2.unsharded_shape(fp))} and trainable (stock FSDP2's "
@@ -46,7 +48,7 @@ def group_reason(param_group, group, param_name) -> str:
         orig, comm = _fsdp2.dtypes(fp, param_group)
         if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
             return f"{name} has dtype {orig} (communicated as {comm})"
-        dim, shape, padded = fp.fsdp_placement.dim, _fsdp2.unsharded_shape(fp), _fsdp2.padded_shard_shape(fp)
+        dim, shape, padded = _fsdp2.shard_dim(fp), _fsdp2.unsharded_shape(fp), _fsdp2.padded_shard_shape(fp)
         if dim == 0:
             d0 = shape[0] if len(shape) else 1
             if padded[0] != -(-d0 // group.size()):
@@ -56,11 +58,11 @@ def group_reason(param_group, group, param_name) -> str:
     return ""
 
 
-def multi_node_reason(param_group, param_name) -> str:
+def multi_node_reason(param_group: _fsdp2.FSDPParamGroup, param_name: _fsdp2.ParamName) -> str:
     """Why a group spanning several nodes stays stock ("" if TIDE can take it)."""
     for i, fp in enumerate(param_group.fsdp_params):
-        if fp.fsdp_placement.dim != 0:
-            return (f"{param_name(fp, i)} is sharded on dim {fp.fsdp_placement.dim} and the group spans "
+        if _fsdp2.shard_dim(fp) != 0:
+            return (f"{param_name(fp, i)} is sharded on dim {_fsdp2.shard_dim(fp)} and the group spans "
                     "nodes: TIDE's across-node plans shard on dim 0 only")
     return ""
 
@@ -71,14 +73,16 @@ _PLAIN = {torch.Tensor}
 _grad_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _expected_grad_sizes(bucket, subset: tuple, fsdp_params) -> list:
+def _expected_grad_sizes(bucket: Bucket, subset: tuple[int, ...],
+                         fsdp_params: list[_fsdp2.FSDPParam]) -> list[torch.Size]:
     sizes = _grad_sizes.setdefault(bucket, {})
     if subset not in sizes:
         sizes[subset] = [torch.Size(_fsdp2.unsharded_shape(fp)) for fp in fsdp_params]
     return sizes[subset]
 
 
-def reduce_scatter_reason(bucket, subset: tuple, fsdp_params, grads, call) -> str:
+def reduce_scatter_reason(bucket: Bucket, subset: tuple[int, ...], fsdp_params: list[_fsdp2.FSDPParam],
+                          grads: list[torch.Tensor], call: _hooks.Call) -> str:
     """Why one reduce-scatter call of a handled group runs stock FSDP2 ("" if TIDE can take it);
     `call` is the hooked foreach_reduce call (_hooks.Call), `subset` the indices of `fsdp_params`
     in `bucket`. Per step these are array passes in C over the gradients (map over torch

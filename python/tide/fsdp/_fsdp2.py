@@ -9,6 +9,7 @@ one line, a version outside the range tide.fsdp is written and tested against.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -31,6 +32,10 @@ try:
 except ImportError:
     ReduceScatterBase = object
 TrainingState = common.TrainingState
+# The FSDP2 objects TIDE's internal signatures name.
+FSDPParam = param_module.FSDPParam
+FSDPParamGroup = group_module.FSDPParamGroup
+ParamName = Callable[[FSDPParam, int], str]  # what param_names returns
 AllGatherResult = collectives.AllGatherResult
 
 # The functions TIDE hooks: (module, attribute path, function name inside FSDP2's source file).
@@ -193,7 +198,7 @@ def is_default_comm(comm, kind: str) -> bool:
     return comm is None or cls is None or type(comm) is cls
 
 
-def param_names(module: torch.nn.Module):
+def param_names(module: torch.nn.Module) -> ParamName:
     """A function naming an FSDPParam by its path under `module` ("blocks.0.q.weight"): the same on
     every rank, and set before the first forward (FSDP2's own ``_param_fqn`` is set at lazy init)."""
     paths = {id(m): p for p, m in module.named_modules()}
@@ -211,6 +216,16 @@ def param_names(module: torch.nn.Module):
 def unsharded_shape(fp) -> torch.Size:
     """A param's unsharded (original) shape."""
     return fp._orig_size
+
+
+def shard_dim(fp) -> int:
+    """The dim FSDP2 shards the param on (its Shard(dim) placement)."""
+    return fp.fsdp_placement.dim
+
+
+def trainable(fp) -> bool:
+    """Whether the param (FSDP2's sharded DTensor of it) requires a gradient."""
+    return fp.sharded_param.requires_grad
 
 
 def padded_shard_shape(fp) -> torch.Size:

@@ -9,12 +9,14 @@ import os
 import socket
 
 import torch
+import torch.distributed as dist
 
 from .. import _tide
 from ._agreement import exchange
 
 
-def placements(group, device: torch.device, timeout_ms: int, enable_round: int) -> list:
+def placements(group: dist.ProcessGroup, device: torch.device, timeout_ms: int,
+               enable_round: int) -> list[tuple[str, str]]:
     """(host name, GPU uuid or "") of every rank of `group`, in group-rank order: where windows can
     be mapped (one host) and whether NCCL can run (one rank per GPU). Asked over the store, keyed
     by the enable's agreement round."""
@@ -26,7 +28,8 @@ def placements(group, device: torch.device, timeout_ms: int, enable_round: int) 
     return [tuple(v.split("|", 1)) for v in exchange(group, f"placement/{enable_round}/{device.type}", mine, timeout_ms)]
 
 
-def transport_for(placements: list, device_type: str, topology, requested: str):
+def transport_for(placements: list[tuple[str, str]], device_type: str, topology: _tide.Topology,
+                  requested: str) -> tuple[str | None, str]:
     """(transport between the group's nodes, "") or (None, why the group falls back), from where
     the group's ranks are: `placements` is (host, GPU uuid or "") per group rank. The transport is
     None for one node, "host" (CPU: the host executor's), "ipc" (CUDA IPC, every rank on this
@@ -68,7 +71,7 @@ def launcher_ranks_per_node() -> int | None:
     return int(value)
 
 
-def topology_for(ranks: list, ranks_per_node):
+def topology_for(ranks: list[int], ranks_per_node: int | None) -> tuple[_tide.Topology | None, str]:
     """(topology, "") of a process group's global `ranks`, or (None, why not). Without
     ranks_per_node the group is one node; with it, global rank g is on node g // ranks_per_node,
     and the group must hold as many ranks of every node it spans, node after node (TIDE's rank =

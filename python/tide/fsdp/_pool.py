@@ -4,6 +4,7 @@ programs on it."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import _tide
 from ..distributed import store_bootstrap
@@ -13,11 +14,11 @@ class PooledWindow:
     """One window of a pool and its executor. On CUDA, `ready` is the event after which the window
     may be written again (its last reader's stream recorded it)."""
 
-    def __init__(self, window, executor):
+    def __init__(self, window, executor) -> None:
         self.shared, self.executor = window, executor
         self.ready = None  # torch.cuda.Event or None
 
-    def use_on(self, stream) -> None:
+    def use_on(self, stream: torch.cuda.Stream) -> None:
         """CUDA: the next program on this window runs on `stream`, after the window's last use."""
         if self.ready is not None:
             stream.wait_event(self.ready)
@@ -30,8 +31,8 @@ class WindowPool:
     window (a collective) is created by all ranks together. On CUDA the windows are VMM windows
     (their data can be mapped at each bucket's fixed address)."""
 
-    def __init__(self, group, window_bytes: int, timeout_ms, name: str, device: torch.device, topology,
-                 transport):
+    def __init__(self, group: dist.ProcessGroup, window_bytes: int, timeout_ms: int | None, name: str,
+                 device: torch.device, topology: _tide.Topology, transport: str | None) -> None:
         self.group, self.window_bytes, self.timeout_ms, self.device = group, window_bytes, timeout_ms, device
         self.topology, self.transport = topology, transport  # transport: see _placement.transport_for
         self.name = name
@@ -39,7 +40,9 @@ class WindowPool:
         self.wide: dict = {}  # window bytes -> WindowPool, for reduce-scatters that outgrow a window
         self.free: list[PooledWindow] = []
         self.windows: list[PooledWindow] = []
-        self.pending: list = []  # buckets whose params were freed; released at the next acquire
+        # Vacated windows (their params were freed) -> the lease that vacated them: free at the
+        # next acquire, until then their lease may take them back (_window.WindowLease).
+        self.pending: dict[PooledWindow, object] = {}
         self.stats_enabled = False
 
     def acquire(self, prefer: PooledWindow | None = None) -> PooledWindow:
@@ -74,6 +77,26 @@ class WindowPool:
     def release(self, pooled: PooledWindow) -> None:
         self.free.append(pooled)
 
+    def release_later(self, pooled: PooledWindow, lease: object) -> None:
+        """`pooled` becomes free at the next acquire; until then `lease` may reclaim it."""
+        self.pending[pooled] = lease
+
+    def is_pending(self, pooled: PooledWindow, lease: object) -> bool:
+        return self.pending.get(pooled) is lease
+
+    def reclaim(self, pooled: PooledWindow, lease: object) -> bool:
+        """Takes `pooled` back for `lease` if it is still pending for it."""
+        if self.pending.get(pooled) is not lease:
+            return False
+        del self.pending[pooled]
+        return True
+
+    def release_pending(self) -> None:
+        """Every pending window to the free list, in the order they were vacated."""
+        self.free.extend(self.pending)
+        self.pending.clear()
+
+
     def wide_pool(self, window_bytes: int) -> "WindowPool":
         """The pool of `window_bytes` windows for reduce-scatters whose gradients do not fit a
         window (gradient accumulation keeps bf16 params' unsharded gradients in an fp32 reduce
@@ -86,22 +109,16 @@ class WindowPool:
             self.wide[window_bytes] = pool
         return pool
 
-    def all_windows(self) -> list:
+    def all_windows(self) -> list[PooledWindow]:
         return self.windows + [w for pool in self.wide.values() for w in pool.all_windows()]
 
     def total_bytes(self) -> int:
         return len(self.windows) * self.window_bytes + sum(p.total_bytes() for p in self.wide.values())
 
-    def release_pending(self) -> None:
-        for bucket in self.pending:
-            bucket.release_window()
-        self.pending.clear()
-
-
 SIZE_CLASS_RATIO = 1.25
 
 
-def size_classes(buckets: list) -> list:
+def size_classes(buckets: list) -> list[list]:
     """Buckets grouped into pools of similar window size: each pool's windows are as large as its
     largest bucket, so one pool for a root (embedding + head) and the layers would size every
     layer's window for the root. A class holds sizes within SIZE_CLASS_RATIO of its smallest.

@@ -1,0 +1,105 @@
+"""A bucket's pooled windows through one step, end to end: acquired and mapped at the bucket's fixed
+address for the all-gather, vacated where FSDP2 frees the unsharded params, taken again as the
+reduce-scatter's staging window (or another window staged in), released to the pool."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _tide
+from . import _fsdp2
+from ._pool import PooledWindow, WindowPool
+
+
+class WindowLease:
+    """The windows one bucket holds. Every rank calls these at the same points of FSDP2's schedule,
+    so every rank takes the same windows in the same order.
+
+    The all-gather's window is held (`window` set, not `vacated`: the params are built on it),
+    vacated (the params were freed: the window waits among the pool's pending windows, and this
+    lease takes it back unless the pool's next acquire returned it to the free list first), or none."""
+
+    def __init__(self, pool: WindowPool, counts) -> None:
+        self.pool, self.counts = pool, counts  # counts: _bucket.Counts (remaps)
+        self.cuda = pool.device.type == "cuda"
+        # The bucket's fixed address: the params' views point here, whichever window is mapped.
+        self.range = (_tide.CudaAddressRange if self.cuda else _tide.HostAddressRange)(pool.window_bytes)
+        self.window: PooledWindow | None = None  # the all-gather's window
+        self.vacated = False
+        self.mapped: PooledWindow | None = None  # the window mapped at the fixed address (kept after release)
+        self.freed: torch.cuda.Event | None = None  # CUDA: on the compute stream after the params' last use
+        self.staging_pool: WindowPool | None = None  # where the reduce-scatter's window returns
+
+    def _reclaim(self) -> bool:
+        """Whether this lease still has its window: held, or vacated and taken back from the pool's
+        pending windows. Forgets a vacated window the pool has released since."""
+        if self.window is None or not self.vacated:
+            return self.window is not None
+        if self.pool.reclaim(self.window, self):
+            self.vacated = False
+            return True
+        self.window, self.vacated = None, False
+        return False
+
+    def acquire_for_all_gather(self) -> PooledWindow:
+        """The window the all-gather writes, mapped at the fixed address: the one this lease still
+        has, else a pool window (preferring the one mapped here already: no remap)."""
+        if self._reclaim():
+            return self.window
+        window = self.pool.acquire(prefer=self.mapped)
+        try:
+            self._map(window)
+        except BaseException:  # not mapped: not this lease's, so back to the pool
+            self.pool.release(window)
+            raise
+        self.window = window
+        return window
+
+    def _map(self, window: PooledWindow) -> None:
+        if self.mapped is window:
+            # Still mapped here since this lease last held it (windows map at several addresses
+            # at once): no remap, so no host wait; the window's `ready` event orders its reuse.
+            return
+        self.counts.remaps += 1
+        self.mapped = None  # until the new mapping is in place
+        if self.cuda and self.freed is not None:
+            # The host remaps the range: the params' last readers (kernels on the compute stream,
+            # recorded when FSDP2 freed them) must be done with the old mapping.
+            self.freed.synchronize()
+        self.range.map_data_of(window.shared)
+        self.mapped = window
+
+    def vacate(self, storage: _fsdp2.UnshardedStorage) -> bool:
+        """Where FSDP2 frees the unsharded params (once per param; the first call acts): stock frees
+        the outputs' storage here, and from here on no view of them reads the window, which the
+        reduce-scatter stages in or another bucket refills after the pool's next acquire. False
+        when the params were not built on this lease's window (an all-gather ran past TIDE)."""
+        if self.window is None:
+            return False
+        if self.vacated:
+            return self.pool.is_pending(self.window, self)
+        storage.release()
+        if self.cuda:  # the params' last readers were enqueued on the current stream
+            self.freed = torch.cuda.current_stream(self.pool.device).record_event()
+            self.window.ready = self.freed
+        self.vacated = True
+        self.pool.release_later(self.window, self)
+        return True
+
+    def staging_window(self, window_bytes: int) -> PooledWindow:
+        """The window the reduce-scatter stages in (`window_bytes` its program's): the one the
+        all-gather vacated (Slot-Reuse), else a pool window (the params are still in use:
+        reshard_after_backward=False), or a wide pool's when the program outgrows the pool's
+        windows. `release_staging` returns it."""
+        if window_bytes > self.pool.window_bytes:
+            self.staging_pool = self.pool.wide_pool(window_bytes)
+            return self.staging_pool.acquire()
+        self.staging_pool = self.pool
+        if self.vacated and self._reclaim():
+            window, self.window, self.vacated = self.window, None, False
+            return window
+        return self.pool.acquire()
+
+    def release_staging(self, window: PooledWindow) -> None:
+        self.staging_pool.release(window)
+        self.staging_pool = None

@@ -1,0 +1,61 @@
+"""A bucket's window lease over a real pool (host windows, ranks as threads): the all-gather keeps
+or takes back its own window without a remap, a window vacated and then handed to another bucket by
+the pool is no longer the first bucket's (neither to gather into again nor to stage in), and the
+reduce-scatter stages in the vacated window (Slot-Reuse) or a wide pool's."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import threaded_world
+from tide import _tide
+from tide.fsdp import _fsdp2
+from tide.fsdp._bucket import Counts
+from tide.fsdp._pool import WindowPool
+from tide.fsdp._window import WindowLease
+
+WINDOW_BYTES = 4096
+
+
+def lease_rank(rank: int) -> dict:
+    group = dist.group.WORLD
+    pool = WindowPool(group, WINDOW_BYTES, 30_000, "test/window/lease", torch.device("cpu"),
+                      _tide.Topology.single_node(2), "host")
+    counts = Counts()
+    a, b = WindowLease(pool, counts), WindowLease(pool, counts)
+    storage = _fsdp2.UnshardedStorage([torch.zeros(4)])
+    seen = {}
+
+    first = a.acquire_for_all_gather()
+    assert a.vacate(storage) and a.vacate(storage)  # once per param: the first call acts
+    assert pool.is_pending(first, a)
+    seen["regather_same"] = a.acquire_for_all_gather() is first  # taken back before anyone else
+    seen["remaps_after_regather"] = counts.remaps
+
+    a.vacate(storage)
+    seen["b_takes_vacated"] = b.acquire_for_all_gather() is first  # the pool released a's window
+    seen["a_vacate_after_release"] = a.vacate(storage)  # a's params are no longer on it
+    b.vacate(storage)
+    staged = a.staging_window(WINDOW_BYTES)  # b's pending window is not a's to reuse as its own
+    seen["a_staging_not_reclaimed"] = a.window is None and staged is first and not pool.pending
+    a.release_staging(staged)
+
+    second = b.acquire_for_all_gather()  # b's vacated window went to the free list: mapped already
+    b.vacate(storage)
+    seen["b_slot_reuse"] = b.staging_window(WINDOW_BYTES) is second and not pool.pending
+    b.release_staging(second)
+    wide = a.staging_window(2 * WINDOW_BYTES)
+    seen["wide"] = wide in pool.wide[2 * WINDOW_BYTES].windows and wide not in pool.windows
+    a.release_staging(wide)
+    seen["windows"], seen["remaps"] = len(pool.windows), counts.remaps
+    return seen
+
+
+def test_window_lease_takes_the_same_windows_on_every_rank():
+    results = threaded_world.run(2, lease_rank)
+    assert results[0] == results[1], results
+    seen = results[0]
+    assert seen == {"regather_same": True, "remaps_after_regather": 1, "b_takes_vacated": True,
+                    "a_vacate_after_release": False, "a_staging_not_reclaimed": True,
+                    "b_slot_reuse": True, "wide": True, "windows": 1, "remaps": 2}, seen
