@@ -33,8 +33,8 @@ class _Hook:
         self.stock.__kwdefaults__ = self.func.__kwdefaults__
         self.signature = inspect.signature(self.stock)
         # Positions of the stock function's parameters, so that a call's arguments are read by name
-        # without binding: inspect's bind cost 53 us per call under cProfile on the 2-core dev
-        # container, the largest Python cost per bucket after the collective itself.
+        # without binding: inspect's bind cost 53 us per call under cProfile on a 2-core x86
+        # CPU, the largest Python cost per bucket after the collective itself.
         self.positions = {p.name: i for i, p in enumerate(self.signature.parameters.values())
                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
         missing = [p for p in _fsdp2.READ_PARAMETERS.get(name, ()) if p not in self.positions]
