@@ -344,13 +344,17 @@ class UnshardedStorage:
         self.versions: list = []
         self.live = True
 
+    def _swap(self) -> None:
+        """Each output's bytes and its aside storage trade places (release and restore alike)."""
+        for storage, aside in zip(self.storages, self.aside):
+            storage._swap_data_ptr_(aside)
+
     def release(self) -> None:
         if not self.live:
             return
         self.live = False
         if self.SWAP:
-            for storage, aside in zip(self.storages, self.aside):
-                storage._swap_data_ptr_(aside)
+            self._swap()
         else:
             self.versions = [t._version for t in self.outputs]
             for t in self.outputs:
@@ -361,8 +365,7 @@ class UnshardedStorage:
             return
         self.live = True
         if self.SWAP:
-            for storage, aside in zip(self.storages, self.aside):
-                storage._swap_data_ptr_(aside)
+            self._swap()
         else:
             torch._C._autograd._unsafe_set_version_counter(tuple(self.outputs), tuple(self.versions))
 
