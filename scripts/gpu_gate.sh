@@ -5,8 +5,8 @@
 #            extension: what ldd lists, and that it exports PyInit__tide alone (a static libstdc++
 #            exported beside torch's crashed tide.fsdp: issue 14)
 #   cpp      the C++ GPU tests (scripts/gpu_suite.sh tests)
-#   python   pytest: the extension checks, tests/python/test_fsdp.py's CUDA scenarios (ranks as
-#            processes sharing the GPU), test_fsdp_cuda.py (skips without 2 GPUs), the CLI tests
+#   python   pytest: the extension checks, the CUDA scenarios of tests/python/test_fsdp.py and
+#            test_fsdp_lifetime.py (ranks as processes sharing the GPU), test_fsdp_cuda.py (skips without 2 GPUs), the CLI tests
 #   bench    tide-bench fsdp with its defaults (on one GPU: 2 ranks sharing it)
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
 #
@@ -59,12 +59,13 @@ stage_cpp() {
 }
 
 stage_python() {
-  # Three pytest processes side by side: test_fsdp.py's W = 3 and W = 4 worlds each in their own (a
-  # world trains once per process, for all its tests), everything else in the first. On an H200:
-  # 281 s in one process, 204 s in three. PYTEST_SPLIT=0: one process.
+  # Four pytest processes side by side: test_fsdp.py's W = 3 and W = 4 worlds each in their own (a
+  # world trains once per process, for all its tests), test_fsdp_lifetime.py in one, everything else
+  # in the first. PYTEST_SPLIT=0: one process.
   local select="${PYTEST_K:-cuda or extension or two_gpus}" parts=()
   if [[ ${PYTEST_SPLIT:-1} == 1 ]]; then
-    parts=("($select) and not cuda-W3 and not cuda-W4" "($select) and cuda-W3" "($select) and cuda-W4")
+    parts=("($select) and not cuda-W3 and not cuda-W4 and not test_fsdp_lifetime" "($select) and cuda-W3"
+           "($select) and cuda-W4" "($select) and test_fsdp_lifetime")
   else
     parts=("$select")
   fi
@@ -73,7 +74,8 @@ stage_python() {
     # Outside the source tree, so `import tide` is the installed package, as for a user.
     (cd /tmp && timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider \
        "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
-       "$ROOT/tests/python/test_fsdp.py" "$ROOT/tests/python/test_bench_cli.py" -k "${parts[$i]}") \
+       "$ROOT/tests/python/test_fsdp.py" "$ROOT/tests/python/test_fsdp_lifetime.py" \
+       "$ROOT/tests/python/test_bench_cli.py" -k "${parts[$i]}") \
       >"$OUT/gate_python_$i.log" 2>&1 &
     pids+=($!)
   done
@@ -125,10 +127,24 @@ EOF
 }
 
 stage_sanitize() {
-  OUT="$OUT" bash scripts/gpu_suite.sh sanitize >"$OUT/gate_sanitize.log" 2>&1
-  local rc=$?
+  # The three tools side by side when the cpp stage built the binaries (each checks one process at
+  # a time; the GPU has room for three): a third of the wall time. One after another otherwise, as
+  # gpu_suite.sh builds them first.
+  local tools=(${SANITIZER_TOOLS:-memcheck racecheck synccheck}) pids=() rc=0 tool
+  if [[ -x "$ROOT/build-gpu/tide_gpu_tests" ]]; then
+    for tool in "${tools[@]}"; do
+      mkdir -p "$OUT/sanitize_$tool"
+      TIDE_PREBUILT="$ROOT/build-gpu" SANITIZER_TOOLS=$tool OUT="$OUT/sanitize_$tool" \
+        bash scripts/gpu_suite.sh sanitize >"$OUT/gate_sanitize_$tool.log" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    for tool in "${tools[@]}"; do cat "$OUT/gate_sanitize_$tool.log"; done >"$OUT/gate_sanitize.log"
+  else
+    OUT="$OUT" bash scripts/gpu_suite.sh sanitize >"$OUT/gate_sanitize.log" 2>&1 || rc=$?
+  fi
   grep "compute-sanitizer .* exit" "$OUT/gate_sanitize.log"
-  [[ $rc == 0 ]] && record sanitize "PASS (memcheck racecheck synccheck)" || record sanitize "FAIL (exit $rc)"
+  [[ $rc == 0 ]] && record sanitize "PASS (${tools[*]})" || record sanitize "FAIL (exit $rc)"
 }
 
 # What was tested, independent of a .git that may not travel with the tree: a digest of the
