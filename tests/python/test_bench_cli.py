@@ -202,3 +202,21 @@ def test_host_cost_code_runs_on_cpu_handled_and_without_remaps_after_warmup():
         assert r["stock_ms"] > 0 and r["tide_ms"] > 0, r
     table = report.host_cost_table(results, shares_gpu=False)
     assert f"{layers} param groups" in table and "0.0 times per timed step (12 all-gathers" in table, table
+
+
+def test_fsdp_cpu_float8_groups_gather_fp8_in_place_and_bitwise(tmp_path, capsys):
+    """--float8: the layers' linears trained in float8 by torchao, TIDE with fp8 all-gather on against
+    stock with it off (gloo has no fp8). TIDE handles every group, the float8 ones through the
+    extension path; it gathers fewer bytes than the params' fp32; no layout copies; bitwise (fp32
+    params: the tensorwise scale is a max, exact however it is reduced)."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install torchao)")
+    data = _fsdp_json(tmp_path, "--model", "tiny", "--float8")
+    text = capsys.readouterr().out
+    t = data["tide"]
+    assert "float8 (torchao, fp8 all-gather on under TIDE, off under stock)" in text
+    assert data["float8"] is True
+    assert t["tide_buckets"] == t["param_groups"] and t["tide_fallbacks"] == [], t
+    assert t["tide_extension_groups"] >= 1, t
+    assert 0 < t["tide_gather_bytes"] < t["tide_param_bytes"], t
+    assert data["stock"]["layout_copy_mib"] > 0 and t["layout_copy_mib"] == 0
+    assert data["max_abs_diff"] == 0.0
