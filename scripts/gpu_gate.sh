@@ -11,11 +11,15 @@
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
 #
 #   scripts/gpu_gate.sh [stage ...]     (default: every stage, in that order)
+#   scripts/gpu_gate.sh a+b+c           stages a, b and c side by side (each one's output in
+#                                       $OUT/gate_stage_<name>.txt), then their results
 #   scripts/gpu_gate.sh verdict         the verdict line over the stages run so far
 #   scripts/gpu_gate.sh digest          the sources digest the verdict line names
 #
-# Stages record their result in $GATE_DIR (default build-gate/), so the gate can run as several
-# invocations on the same machine; the verdict line counts a stage that has not run as not passed. Logs go to $OUT (default gpu-out/).
+# Stages record their result and the sources digest in $GATE_DIR (default build-gate/), so the
+# gate can run as several invocations on the same machine; the verdict line counts a stage that has
+# not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/). Within the
+# 600 s of one command on one H200: `build cpp+python+bench` (~450 s), then `sanitize verdict`.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -27,7 +31,13 @@ mkdir -p "$OUT" "$GATE_DIR"
 STAGES=(build cpp python bench sanitize)
 PY=${PYTHON:-python3}
 say() { echo "== gate: $*"; }
-record() { echo "$2" >"$GATE_DIR/$1"; say "$1: $2"; }
+record() { printf '%s\n%s\n' "$2" "$(sources_digest)" >"$GATE_DIR/$1"; say "$1: $2"; }
+# A stage's recorded result; "not run" if none, "stale" if it ran on other sources.
+result() {
+  [[ -f "$GATE_DIR/$1" ]] || { echo "not run"; return; }
+  local r digest; { read -r r; read -r digest; } <"$GATE_DIR/$1"
+  [[ "$digest" == "$(sources_digest)" ]] && echo "$r" || echo "stale (ran on sources $digest: $r)"
+}
 
 stage_build() {
   say "build: $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)')"
@@ -157,14 +167,13 @@ sources_digest() {
 verdict() {
   local all=PASS parts=()
   for s in "${STAGES[@]}"; do
-    local r="not run"
-    [[ -f "$GATE_DIR/$s" ]] && r=$(cat "$GATE_DIR/$s")
+    local r; r=$(result "$s")
     [[ "$r" == PASS* ]] || all=FAIL
     parts+=("$s ${r%% (*}")
   done
   local gpu; gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
   echo "GPU GATE $all: $(IFS=','; echo "${parts[*]}" | sed 's/,/, /g') [$gpu, $(date -u +%F), sources $(sources_digest)]"
-  for s in "${STAGES[@]}"; do [[ -f "$GATE_DIR/$s" ]] && echo "  $s: $(cat "$GATE_DIR/$s")"; done
+  for s in "${STAGES[@]}"; do echo "  $s: $(result "$s")"; done
   [[ $all == PASS ]]
 }
 
@@ -172,13 +181,24 @@ if [[ $# == 0 ]]; then
   rm -f "$GATE_DIR"/*
   set -- "${STAGES[@]}" verdict
 fi
+usage() { echo "usage: $0 [build|cpp|python|bench|sanitize|verdict|digest|a+b ...]"; exit 2; }
+is_stage() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 rc=0
 for stage in "$@"; do
+  if [[ "$stage" == *+* ]]; then
+    IFS=+ read -ra group <<<"$stage"
+    for s in "${group[@]}"; do is_stage "$s" || usage; done
+    pids=()
+    for s in "${group[@]}"; do "stage_$s" >"$OUT/gate_stage_$s.txt" 2>&1 & pids+=($!); done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    for s in "${group[@]}"; do say "$s: $(result "$s")"; done
+    continue
+  fi
   case "$stage" in
     build|cpp|python|bench|sanitize) "stage_$stage" ;;
     verdict) verdict || rc=1 ;;
     digest) sources_digest ;;
-    *) echo "usage: $0 [build|cpp|python|bench|sanitize|verdict|digest ...]"; exit 2 ;;
+    *) usage ;;
   esac
 done
 exit $rc
