@@ -186,6 +186,7 @@ is_stage() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 rc=0
 for stage in "$@"; do
   if [[ "$stage" == *+* ]]; then
+    [[ "$stage" =~ ^[a-z]+(\+[a-z]+)+$ ]] || usage
     IFS=+ read -ra group <<<"$stage"
     for s in "${group[@]}"; do is_stage "$s" || usage; done
     pids=()

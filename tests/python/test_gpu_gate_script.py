@@ -1,0 +1,95 @@
+"""scripts/gpu_gate.sh's bookkeeping, without a GPU: the verdict line counts a stage that has not
+run, failed or ran on other sources as not passed; `a+b` runs stages side by side and reports each;
+an unknown stage is refused."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GATE = ROOT / "scripts" / "gpu_gate.sh"
+STAGES = ("build", "cpp", "python", "bench", "sanitize")
+
+
+def gate(script: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GATE_DIR=str(tmp_path / "gate"), OUT=str(tmp_path / "out"))
+    return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def record(tmp_path: Path, stage: str, result: str, digest: str) -> None:
+    (tmp_path / "gate").mkdir(exist_ok=True)
+    (tmp_path / "gate" / stage).write_text(f"{result}\n{digest}\n")
+
+
+@pytest.fixture
+def digest(tmp_path) -> str:
+    out = gate(GATE, tmp_path, "digest")
+    assert out.returncode == 0 and re.fullmatch(r"[0-9a-f]{12}", out.stdout.strip()), out
+    return out.stdout.strip()
+
+
+def test_no_stage_run_is_no_pass(tmp_path, digest):
+    out = gate(GATE, tmp_path, "verdict")
+    assert out.returncode == 1
+    assert out.stdout.startswith("GPU GATE FAIL: build not run, cpp not run")
+    assert f"sources {digest}]" in out.stdout
+
+
+def test_every_stage_passed_on_these_sources_is_a_pass(tmp_path, digest):
+    for s in STAGES:
+        record(tmp_path, s, f"PASS ({s} detail)", digest)
+    out = gate(GATE, tmp_path, "verdict")
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.startswith("GPU GATE PASS: build PASS, cpp PASS, python PASS, bench PASS, sanitize PASS")
+    assert "  cpp: PASS (cpp detail)" in out.stdout
+
+
+@pytest.mark.parametrize("stage, result, shown", [
+    ("sanitize", "FAIL (exit 1)", "sanitize FAIL"),
+    ("cpp", "PASS (on older sources)", "cpp stale"),
+])
+def test_a_failed_or_stale_stage_fails_the_gate(tmp_path, digest, stage, result, shown):
+    for s in STAGES:
+        record(tmp_path, s, "PASS", digest)
+    record(tmp_path, stage, result, digest if result.startswith("FAIL") else "0123456789ab")
+    out = gate(GATE, tmp_path, "verdict")
+    assert out.returncode == 1
+    assert out.stdout.startswith("GPU GATE FAIL:") and shown in out.stdout.splitlines()[0]
+
+
+def stand_in_gate(tmp_path: Path, results: dict) -> Path:
+    """A copy of the script whose stages only say they ran and record `results[stage]`."""
+    scripts = tmp_path / "root" / "scripts"
+    scripts.mkdir(parents=True)
+    text = GATE.read_text()
+    for stage in STAGES:
+        head = f"stage_{stage}() {{\n"
+        assert head in text, stage
+        text = text.replace(head, f"{head}  echo ran {stage}; record {stage} \"{results.get(stage, 'PASS (stand-in)')}\"; return\n", 1)
+    script = scripts / "gpu_gate.sh"
+    script.write_text(text)
+    return script
+
+
+@pytest.mark.parametrize("args", [("cpp+nope",), ("frobnicate",), ("build+",), ("+cpp",), ("cpp++python",)])
+def test_unknown_stages_are_refused(tmp_path, args):
+    out = gate(stand_in_gate(tmp_path, {}), tmp_path, *args)
+    assert out.returncode == 2 and "usage:" in out.stdout
+    assert not re.search(r"^ran ", out.stdout, re.M), out.stdout
+    assert not any((tmp_path / "gate" / s).exists() for s in STAGES)
+
+
+def test_stages_side_by_side_each_report_their_result(tmp_path):
+    """`cpp+python`: both run (their outputs in OUT/gate_stage_<name>.txt), each result is reported,
+    the verdict sees both."""
+    script = stand_in_gate(tmp_path, {"python": "FAIL (stand-in)"})
+    out = gate(script, tmp_path, "cpp+python", "verdict")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "== gate: cpp: PASS (stand-in)" in out.stdout
+    assert "== gate: python: FAIL (stand-in)" in out.stdout
+    assert "build not run, cpp PASS, python FAIL" in out.stdout
+    for stage in ("cpp", "python"):
+        assert f"ran {stage}" in (tmp_path / "out" / f"gate_stage_{stage}.txt").read_text()
