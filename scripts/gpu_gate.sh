@@ -31,12 +31,12 @@ mkdir -p "$OUT" "$GATE_DIR"
 STAGES=(build cpp python bench sanitize)
 PY=${PYTHON:-python3}
 say() { echo "== gate: $*"; }
-record() { printf '%s\n%s\n' "$2" "$(sources_digest)" >"$GATE_DIR/$1"; say "$1: $2"; }
+record() { printf '%s\n%s\n' "$2" "$DIGEST" >"$GATE_DIR/$1"; say "$1: $2"; }
 # A stage's recorded result; "not run" if none, "stale" if it ran on other sources.
 result() {
   [[ -f "$GATE_DIR/$1" ]] || { echo "not run"; return; }
   local r digest; { read -r r; read -r digest; } <"$GATE_DIR/$1"
-  [[ "$digest" == "$(sources_digest)" ]] && echo "$r" || echo "stale (ran on sources $digest: $r)"
+  [[ "$digest" == "$DIGEST" ]] && echo "$r" || echo "stale (ran on sources $digest: $r)"
 }
 
 stage_build() {
@@ -172,7 +172,7 @@ verdict() {
     parts+=("$s ${r%% (*}")
   done
   local gpu; gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
-  echo "GPU GATE $all: $(IFS=','; echo "${parts[*]}" | sed 's/,/, /g') [$gpu, $(date -u +%F), sources $(sources_digest)]"
+  echo "GPU GATE $all: $(IFS=','; echo "${parts[*]}" | sed 's/,/, /g') [$gpu, $(date -u +%F), sources $DIGEST]"
   for s in "${STAGES[@]}"; do echo "  $s: $(result "$s")"; done
   [[ $all == PASS ]]
 }
@@ -181,6 +181,8 @@ if [[ $# == 0 ]]; then
   rm -f "$GATE_DIR"/*
   set -- "${STAGES[@]}" verdict
 fi
+# The sources do not change while the gate runs: their digest, once.
+DIGEST=$(sources_digest)
 usage() { echo "usage: $0 [build|cpp|python|bench|sanitize|verdict|digest|a+b ...]"; exit 2; }
 is_stage() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 rc=0
@@ -198,7 +200,7 @@ for stage in "$@"; do
   case "$stage" in
     build|cpp|python|bench|sanitize) "stage_$stage" ;;
     verdict) verdict || rc=1 ;;
-    digest) sources_digest ;;
+    digest) echo "$DIGEST" ;;
     *) usage ;;
   esac
 done

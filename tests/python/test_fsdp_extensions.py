@@ -392,13 +392,21 @@ def _assert_handled(r: dict, groups: int, extension_groups: int, reduce_scatters
     assert not any(tide_run["ops"].values()), f"FSDP2 layout copies ran: {tide_run['ops']}"
 
 
+def handled_ranks(world: int, case: str, groups: int, extension_groups: int) -> list[tuple[int, dict]]:
+    """Each rank's result of `case`, after checking it ran without error and TIDE handled its
+    `groups` param groups (`extension_groups` of them through the extension path) with no copies."""
+    ranks = list(enumerate(results(world)[case]))
+    for rank, r in ranks:
+        assert "error" not in r, f"rank {rank}: {r}"
+        _assert_handled(r, groups=groups, extension_groups=extension_groups)
+    return ranks
+
+
 @needs_torchao
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("scale", ["dynamic", "precomputed"])
 def test_float8_all_gather_is_handled_and_bitwise_equal_to_it_off(world, scale):
-    for rank, r in enumerate(results(world)[f"float8_{scale}"]):
-        assert "error" not in r, f"rank {rank}: {r}"
-        _assert_handled(r, groups=3, extension_groups=2)
+    for rank, r in handled_ranks(world, f"float8_{scale}", groups=3, extension_groups=2):
         _assert_handled({"tide": r["tide_off"]}, groups=3, extension_groups=0)
         # fp8 bytes: the float8 weights' all-gather moves a quarter of fp32's
         assert r["tide"]["counts"]["all_gather_bytes"] < r["tide_off"]["counts"]["all_gather_bytes"]
@@ -411,9 +419,7 @@ def test_float8_all_gather_is_handled_and_bitwise_equal_to_it_off(world, scale):
 def test_float8_groups_of_float8_weights_alone():
     """Groups holding float8 weights alone all-gather fp8 inputs only: gloo has no fp8, so stock
     FSDP2 cannot run this on CPU ("Invalid scalar type"); TIDE's host transport moves the bytes."""
-    for rank, r in enumerate(results(2)["float8_only_groups"]):
-        assert "error" not in r, f"rank {rank}: {r}"
-        _assert_handled(r, groups=5, extension_groups=2)
+    for rank, r in handled_ranks(2, "float8_only_groups", groups=5, extension_groups=2):
         assert r["vs_tide_off"] and r["vs_stock_off"], f"rank {rank}: {r}"
 
 
@@ -422,35 +428,27 @@ def test_float8_groups_of_float8_weights_alone():
 def test_float8_matches_stock_with_fp8_all_gather_on(case):
     """bf16 params (fp32 reduce) and reshard_after_forward=False: bitwise equal to stock FSDP2
     with fp8 all-gather on (W = 2)."""
-    for rank, r in enumerate(results(2)[f"float8_{case}"]):
-        assert "error" not in r, f"rank {rank}: {r}"
-        _assert_handled(r, groups=3, extension_groups=2)
+    for rank, r in handled_ranks(2, f"float8_{case}", groups=3, extension_groups=2):
         assert r["vs_stock_on"], f"rank {rank}: differs from stock FSDP2 with fp8 all-gather on"
 
 
 @needs_torchao
 def test_float8_across_virtual_nodes():
     """W = 4 as 2 nodes of 2: the fp8 bytes go through TIDE's across-node all-gather."""
-    for rank, r in enumerate(results(4)["float8_virtual_nodes"]):
-        assert "error" not in r, f"rank {rank}: {r}"
-        _assert_handled(r, groups=3, extension_groups=2)
+    for rank, r in handled_ranks(4, "float8_virtual_nodes", groups=3, extension_groups=2):
         assert r["vs_tide_off"], f"rank {rank}: fp8 all-gather on differs from off (both TIDE)"
 
 
 @needs_torchao
 def test_nf4_frozen_weights_are_gathered_as_stock():
-    for rank, r in enumerate(results(2)["nf4"]):
-        assert "error" not in r, f"rank {rank}: {r}"
-        _assert_handled(r, groups=2, extension_groups=2)
+    for rank, r in handled_ranks(2, "nf4", groups=2, extension_groups=2):
         assert r["weights_equal"], f"rank {rank}: the unsharded NF4 tensors differ from stock's"
         assert r["finite"] and r["vs_stock"], f"rank {rank}: LoRA params differ from stock's: {r}"
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_custom_two_input_extension_matches_stock(version):
-    for rank, r in enumerate(results(2)[f"split_v{version}"]):
-        assert "error" not in r, f"rank {rank}: {r}"
-        _assert_handled(r, groups=3, extension_groups=3)
+    for rank, r in handled_ranks(2, f"split_v{version}", groups=3, extension_groups=3):
         assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
 
 
