@@ -115,25 +115,27 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
     auto window = CudaWindow::create(bootstrap, program.window_bytes, topology, CudaMemory::kMalloc,
                                      ipc ? CudaWindowScope::kHost : CudaWindowScope::kNode);
 
-    double median_us = 0, sm_cta_us = 0, host_us = 0, loop_us = 0;
+    double median_us = 0, sm_cta_us = 0, host_us = 0, loop_us = 0, lowering_host_us = 0;
     bool batched = true;
     unsigned long long wrong = 0;
     std::string prefix_times;  // --prefixes: "<time> <host> <loop>" per prefix length 1..n
     {
       CudaExecutor executor(*window, stream, default_timeout(), network.get());
       // Median time per run of `p` back to back, and the host's median wall time in run()
-      // (enqueueing, no waiting).
+      // (enqueueing, no waiting), `p` prepared once as tide.fsdp runs a bucket's programs: the
+      // runs after the first reuse its checks and lowering.
       // And (run_loop_us) the same number of runs between one pair of events, divided by the count,
       // as nccl-tests times: no timing event between two runs.
       auto time_runs = [&](const Program& p, double& time_us, double& run_host_us, double& run_loop_us) {
-        for (int w = 0; w < args.warmup; ++w) executor.run(p, bindings);
+        const std::unique_ptr<PreparedProgram> prepared = executor.prepare(p);
+        for (int w = 0; w < args.warmup; ++w) executor.run(*prepared, bindings);
         executor.synchronize();
         bootstrap.barrier();
         std::vector<double> host_times;
         host_times.reserve(args.iters);
         const auto times = time_each(stream, args.iters, [&] {
           const auto start = std::chrono::steady_clock::now();
-          executor.run(p, bindings);
+          executor.run(*prepared, bindings);
           host_times.push_back(std::chrono::duration<double, std::micro>(
                                    std::chrono::steady_clock::now() - start).count());
         });
@@ -141,11 +143,25 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
         bootstrap.barrier();
         time_us = median(times), run_host_us = median(host_times);
         const auto loop = time_each(stream, 1, [&] {
-          for (int i = 0; i < args.iters; ++i) executor.run(p, bindings);
+          for (int i = 0; i < args.iters; ++i) executor.run(*prepared, bindings);
         });
         executor.synchronize();
         bootstrap.barrier();
         run_loop_us = loop[0] / args.iters;
+      };
+      // The host's median time in run() of the Program itself: checked and lowered every run.
+      auto time_lowering_runs = [&](const Program& p) {
+        std::vector<double> host_times;
+        host_times.reserve(args.iters);
+        for (int i = 0; i < args.iters; ++i) {
+          const auto start = std::chrono::steady_clock::now();
+          executor.run(p, bindings);
+          host_times.push_back(std::chrono::duration<double, std::micro>(
+                                   std::chrono::steady_clock::now() - start).count());
+        }
+        executor.synchronize();
+        bootstrap.barrier();
+        return median(host_times);
       };
       // A program's first k steps are a program every rank runs alike (the ranks' programs have
       // the same shape): what the chain's k-th step adds to a run is the difference of two rows.
@@ -160,6 +176,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
           prefix_times += entry;
         }
       time_runs(program, median_us, host_us, loop_us);
+      lowering_host_us = time_lowering_runs(program);
       executor.enable_stats(true);
       executor.reset_stats();
       executor.run(program, bindings);
@@ -192,20 +209,21 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       BCHECK(cudaStreamSynchronize(stream));
     }
     char mine[160];
-    std::snprintf(mine, sizeof mine, "%.3f %llu %.3f %.3f %.3f", median_us, wrong, sm_cta_us, host_us,
-                  loop_us);
+    std::snprintf(mine, sizeof mine, "%.3f %llu %.3f %.3f %.3f %.3f", median_us, wrong, sm_cta_us,
+                  host_us, loop_us, lowering_host_us);
     const auto all = bootstrap.allgather(mine);
     const auto all_prefixes = bootstrap.allgather(prefix_times);
     if (rank == 0) {
-      double slowest = 0, sm_sum = 0, host_slowest = 0, loop_slowest = 0;
+      double slowest = 0, sm_sum = 0, host_slowest = 0, loop_slowest = 0, lowering_slowest = 0;
       unsigned long long wrong_total = 0;
       for (const std::string& s : all) {
-        double t = 0, sm = 0, h = 0, l = 0;
+        double t = 0, sm = 0, h = 0, l = 0, lh = 0;
         unsigned long long w = 0;
-        std::sscanf(s.c_str(), "%lf %llu %lf %lf %lf", &t, &w, &sm, &h, &l);
+        std::sscanf(s.c_str(), "%lf %llu %lf %lf %lf %lf", &t, &w, &sm, &h, &l, &lh);
         slowest = std::max(slowest, t), wrong_total += w, sm_sum += sm;
         loop_slowest = std::max(loop_slowest, l);
         host_slowest = std::max(host_slowest, h);
+        lowering_slowest = std::max(lowering_slowest, lh);
       }
       Row r;
       r.section = "collective";
@@ -232,9 +250,10 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       if (!batched) r.note += ", copies NOT batched (cudaMemcpyAsync fallback)";
       // Back-to-back runs go at the pace of the slower of the GPU and the host's enqueueing: when
       // this is close to the time, the host's driver calls are the fixed cost.
-      char host[96];
-      std::snprintf(host, sizeof host, "; host %.1f us/run in run(); loop %.1f us/run", host_slowest,
-                    loop_slowest);
+      char host[160];
+      std::snprintf(host, sizeof host,
+                    "; host %.1f us/run in run() (%.1f lowering every run); loop %.1f us/run",
+                    host_slowest, lowering_slowest, loop_slowest);
       r.note += host;
       append_row(r);
       print_collective_row(r);

@@ -172,6 +172,30 @@ class CudaAddressRange {
   const CudaWindow* mapped_ = nullptr;
 };
 
+class CudaExecutor;
+
+// A program checked and lowered on one CudaExecutor (CudaExecutor::prepare), for the collective a
+// bucket runs every step. Its checks and lowering (which steps share a driver call, every address
+// resolved) are kept with the pointers they were made for: a run whose bindings are those of the
+// one before costs the host its driver calls and one comparison of the pointer arrays, whatever the
+// param count; other pointers are checked and lowered again, and kept instead.
+class PreparedProgram {
+ public:
+  ~PreparedProgram();
+  PreparedProgram(const PreparedProgram&) = delete;
+  PreparedProgram& operator=(const PreparedProgram&) = delete;
+  const Program& program() const { return program_; }
+
+  struct Lowered;  // defined with the executor (src/executor/cuda/)
+
+ private:
+  friend class CudaExecutor;
+  PreparedProgram(const CudaExecutor& owner, Program program);
+  const CudaExecutor* owner_;
+  const Program program_;  // a copy: nothing can change it under the kept lowering
+  std::unique_ptr<Lowered> lowered_;
+};
+
 // Runs programs on a CUDA stream. run() is asynchronous: it validates, then enqueues and returns.
 // Inputs and outputs in Bindings are device pointers; they must stay valid until synchronize().
 // One thread at a time may call into an executor.
@@ -202,6 +226,8 @@ class CudaExecutor final : public Executor {
     int kernel_launches = 0;
     int network_groups = 0;      // network groups (NCCL: ncclGroupStart/End pairs)
     int mem_op_calls = 0;        // cuStreamBatchMemOp calls of the programs' signals and waits
+    int lowerings = 0;           // runs that checked and lowered their program: every run of a
+                                 // Program, a PreparedProgram's first and those with new pointers
     int cast_to_peers_kernels = 0;     // cast-to-peers kernels (also in kernel_launches): a kCastToPeers
                                  // program's stores, signals, waits and reduces in one launch
   };
@@ -238,6 +264,11 @@ class CudaExecutor final : public Executor {
   // validate_run(...) first (throws InvalidArgument before anything is enqueued), then the error
   // of an earlier run if the watchdog stored one, then enqueues the program on the stream.
   void run(const Program& program, const Bindings& bindings) override;
+  // A copy of `program` to run on this executor only (its first run checks and lowers it).
+  std::unique_ptr<PreparedProgram> prepare(const Program& program) const;
+  // run(prepared.program(), bindings), without checking or lowering again when `bindings` are the
+  // last run's. InvalidArgument if `prepared` belongs to another executor.
+  void run(PreparedProgram& prepared, const Bindings& bindings);
   // Waits for every stream this executor enqueued work on; throws the watchdog's TimeoutError or
   // DesyncError if a wait got stuck (then every later call throws it too: the window's epochs are
   // out of step with the peers', so make a new window and executor). Never hangs: a stuck wait is

@@ -296,7 +296,10 @@ NB_MODULE(_tide, m) {
       .def_ro("copies_2d", &CudaExecutor::Stats::copies_2d)
       .def_ro("copies_coalesced", &CudaExecutor::Stats::copies_coalesced)
       .def_ro("kernel_launches", &CudaExecutor::Stats::kernel_launches)
-      .def_ro("mem_op_calls", &CudaExecutor::Stats::mem_op_calls);
+      .def_ro("mem_op_calls", &CudaExecutor::Stats::mem_op_calls)
+      .def_ro("lowerings", &CudaExecutor::Stats::lowerings);
+  nb::class_<PreparedProgram>(m, "PreparedProgram")
+      .def_prop_ro("program", &PreparedProgram::program, nb::rv_policy::reference_internal);
   nb::class_<CudaExecutor>(m, "CudaExecutor")
       .def("__init__", [](CudaExecutor* e, CudaWindow& w, uintptr_t stream,
                           std::optional<int64_t> timeout_ms, NcclComm* network) {
@@ -308,6 +311,13 @@ NB_MODULE(_tide, m) {
       .def_prop_ro("world", &CudaExecutor::world)
       .def("set_stream", [](CudaExecutor& e, uintptr_t s) { e.set_stream(reinterpret_cast<void*>(s)); })
       .def("run", [](CudaExecutor& e, const Program& p, const std::vector<uintptr_t>& inputs,
+                     const std::vector<uintptr_t>& outputs) {
+        Bindings b = make_bindings(inputs, outputs);
+        nb::gil_scoped_release release;
+        e.run(p, b);
+      }, "program"_a, "inputs"_a, "outputs"_a = std::vector<uintptr_t>{})
+      .def("prepare", &CudaExecutor::prepare, "program"_a)
+      .def("run", [](CudaExecutor& e, PreparedProgram& p, const std::vector<uintptr_t>& inputs,
                      const std::vector<uintptr_t>& outputs) {
         Bindings b = make_bindings(inputs, outputs);
         nb::gil_scoped_release release;

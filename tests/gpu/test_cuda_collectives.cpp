@@ -5,7 +5,9 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -811,6 +813,85 @@ TEST(CudaCollectives, ReduceScatterDriverCallsDoNotGrowWithParams) {
                                            num_params))
           << "rank " << r;
   }
+}
+
+// A prepared program checks and lowers once per set of pointers: three runs on the same bindings
+// lower once, a run on other output buffers lowers again, and both sets of shards hold the same
+// reduced bytes (inputs equal). The report: lowerings after each phase, then whether the shards match.
+std::string prepared_reduce_scatter(int rank, Bootstrap& b) {
+  select_device(rank);
+  std::vector<ParamSpec> specs;
+  for (int i = 0; i < 64; ++i)
+    specs.push_back({"p" + std::to_string(i), {64, 32}, DType::kBF16, DType::kFP32});
+  const BucketLayout layout(specs, Topology::single_node(2));
+  std::vector<DeviceBuffer> grads, first, second;
+  Bindings bindings, rebound;
+  for (const ParamLayout& p : layout.params()) {
+    grads.emplace_back(p.unsharded_bytes());
+    first.emplace_back(p.valid_numel(rank) * 4);
+    second.emplace_back(p.valid_numel(rank) * 4);
+    CHECK_CUDA(cudaMemset(grads.back().ptr, 0x3f + int(grads.size() % 7) + rank, p.unsharded_bytes()));
+    bindings.inputs.push_back(grads.back().ptr);
+    bindings.outputs.push_back(first.back().ptr);
+    rebound.inputs.push_back(grads.back().ptr);
+    rebound.outputs.push_back(second.back().ptr);
+  }
+  auto window = CudaWindow::create(b, layout.window_bytes());
+  cudaStream_t stream = nullptr;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::string report;
+  {
+    CudaExecutor executor(*window, stream, 20000ms);
+    const std::unique_ptr<PreparedProgram> prepared =
+        executor.prepare(plan_reduce_scatter(layout, rank, ReduceOptions{}, 1));
+    for (int i = 0; i < 3; ++i) executor.run(*prepared, bindings);
+    report += detail::concat("lowerings ", executor.stats().lowerings);
+    executor.run(*prepared, rebound);
+    executor.run(*prepared, rebound);
+    report += detail::concat(", ", executor.stats().lowerings);
+    executor.synchronize();
+    bool same = true, nonzero = false;
+    for (std::size_t i = 0; i < first.size(); ++i) {
+      std::vector<float> a(layout.param(i).valid_numel(rank)), c(a.size());
+      CHECK_CUDA(cudaMemcpy(a.data(), first[i].ptr, a.size() * 4, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(c.data(), second[i].ptr, c.size() * 4, cudaMemcpyDeviceToHost));
+      same &= std::memcmp(a.data(), c.data(), a.size() * 4) == 0;
+      for (float v : a) nonzero |= v != 0.0f;
+    }
+    report += same && nonzero ? ", shards equal" : ", shards DIFFER or zero";
+  }
+  b.barrier();
+  window.reset();
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return report;
+}
+
+TEST(CudaCollectives, PreparedProgramLowersOncePerPointerSet) {
+  TIDE_REQUIRE_GPU();
+  const harness::TempDir dir;
+  const auto reports =
+      harness::run_rank_processes(2, prepared_reduce_scatter, gpu_ranks(dir)).reports;
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(reports[r], "lowerings 1, 2, shards equal") << "rank " << r;
+}
+
+TEST(CudaCollectives, PreparedProgramRunsOnItsOwnExecutorOnly) {
+  TIDE_REQUIRE_GPU();
+  const BucketLayout layout({{"w", {8, 8}, DType::kBF16, DType::kFP32}}, Topology::single_node(1));
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    auto window = CudaWindow::create(b, layout.window_bytes());
+    auto other_window = CudaWindow::create(b, layout.window_bytes());
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CudaExecutor executor(*window, stream, 1000ms), other(*other_window, stream, 1000ms);
+    const auto prepared = other.prepare(plan_all_gather(layout, 0));
+    executor.run(*prepared, Bindings{});
+  }, gpu_ranks(dir)).reports;
+  EXPECT_EQ(reports[0].rfind("InvalidArgument: CudaExecutor::run: prepared = a program prepared by "
+                             "another executor", 0), 0u)
+      << reports[0];
 }
 
 // One stuck-wait rank, in a process or a thread: rank 0 waits for data_ready from ranks 1 and 2;

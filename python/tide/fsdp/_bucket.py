@@ -157,11 +157,11 @@ class Bucket:
                 with torch.cuda.stream(stream):
                     shards = self._shards(stream)
                 window.use_on(stream)
-                window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
+                window.run(self.ag_program, [s.data_ptr() for s in shards])
                 event = stream.record_event()
             else:  # `shards` referenced until the program has read them (extension inputs are new tensors)
                 shards = self._shards(None)
-                window.executor.run(self.ag_program, [s.data_ptr() for s in shards])
+                window.run(self.ag_program, [s.data_ptr() for s in shards])
         self.counts.all_gathers += 1
         self.counts.all_gather_bytes += self.ag_bytes
         if self.gather is not None:
@@ -296,12 +296,12 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
                 if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
                     stream = torch.cuda.current_stream(bucket.pool.device)
                     window.use_on(stream)
-                    window.executor.run(program, inputs, outputs)
+                    window.run(program, inputs, outputs)
                     for g in grads:  # read in place on this stream; freed by the compute stream
                         g.record_stream(stream)
                     window.ready = stream.record_event()
                 else:
-                    window.executor.run(program, inputs, outputs)
+                    window.run(program, inputs, outputs)
         finally:
             bucket.lease.release_staging(window)
             self.grads = None

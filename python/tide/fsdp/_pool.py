@@ -17,6 +17,20 @@ class PooledWindow:
     def __init__(self, window, executor) -> None:
         self.shared, self.executor = window, executor
         self.ready = None  # torch.cuda.Event or None
+        # CUDA: each program this window runs, prepared once (_tide.PreparedProgram): a run with the
+        # pointers of the one before skips the executor's checks and lowering, a pass per param.
+        # Keyed by the program object, which the dict keeps alive.
+        self.prepared: dict = {}
+
+    def run(self, program, inputs: list[int], outputs: list[int] = ()) -> None:
+        """Runs (CPU) or enqueues (CUDA) `program` on this window's executor."""
+        if not hasattr(self.executor, "prepare"):  # the host executor: nothing to keep
+            self.executor.run(program, inputs, list(outputs))
+            return
+        prepared = self.prepared.get(program)
+        if prepared is None:
+            prepared = self.prepared[program] = self.executor.prepare(program)
+        self.executor.run(prepared, inputs, list(outputs))
 
     def use_on(self, stream: torch.cuda.Stream) -> None:
         """CUDA: the next program on this window runs on `stream`, after the window's last use."""

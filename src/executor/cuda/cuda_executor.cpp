@@ -207,23 +207,26 @@ void CudaExecutor::set_stream(void* stream) {
 }
 
 void CudaExecutor::run(const Program& program, const Bindings& bindings) {
-  Impl& d = *impl_;
-  CudaWindow& window = d.window;
-  const int rank = window.rank();
-  const int world = window.world();
-  validate_run(program, bindings, rank, world, window.data_bytes(), window.data(rank),
-               /*net_supported=*/d.network != nullptr || window.scope() == CudaWindowScope::kHost);
-  d.throw_if_failed();
-  const uint64_t epoch = window.next_epoch();
-  const uint64_t tag = program.tag();
-  // Past this point the window's epoch and network counters have moved: a failure while
-  // enqueuing leaves this executor out of step with its peers, so it fails for good.
-  try {
-    d.enqueue_program(program, bindings, epoch, tag);
-  } catch (...) {
-    d.store_error(std::current_exception());
-    throw;
-  }
+  impl_->run(program, bindings, impl_->one_shot, /*reuse=*/false);
+}
+
+PreparedProgram::PreparedProgram(const CudaExecutor& owner, Program program)
+    : owner_(&owner), program_(std::move(program)), lowered_(std::make_unique<Lowered>()) {}
+
+PreparedProgram::~PreparedProgram() = default;
+
+std::unique_ptr<PreparedProgram> CudaExecutor::prepare(const Program& program) const {
+  return std::unique_ptr<PreparedProgram>(new PreparedProgram(*this, program));
+}
+
+void CudaExecutor::run(PreparedProgram& prepared, const Bindings& bindings) {
+  TIDE_CHECK_ARG(prepared.owner_ == this, "CudaExecutor::run", "prepared",
+                 "a program prepared by another executor",
+                 "one of this executor's (its lowering holds this executor's window addresses)");
+  PreparedProgram::Lowered& lowered = *prepared.lowered_;
+  const bool reuse = lowered.valid && lowered.bindings.inputs == bindings.inputs &&
+                     lowered.bindings.outputs == bindings.outputs;
+  impl_->run(prepared.program_, bindings, lowered, reuse);
 }
 
 void CudaExecutor::synchronize() {

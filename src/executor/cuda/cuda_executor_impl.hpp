@@ -133,6 +133,15 @@ using Resolve = std::function<std::byte*(const Address&)>;
 
 }  // namespace cuda_executor_detail
 
+// A program's lowering and the pointers it was made for (PreparedProgram, cuda.hpp).
+struct PreparedProgram::Lowered {
+  bool valid = false;  // commands and schedule were made for `bindings`
+  Bindings bindings;
+  bool has_net = false;
+  net::GroupSchedule schedule;  // has_net only
+  lowering::CommandList commands;
+};
+
 struct CudaExecutor::Impl {
   using PendingWait = cuda_executor_detail::PendingWait;
   using MailboxWord = cuda_executor_detail::MailboxWord;
@@ -157,10 +166,11 @@ struct CudaExecutor::Impl {
   std::vector<FlagWord> staging;
   NetOutbox mailbox_staging{};
   bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
-  // The lowering's output and the launch arguments built from it, reused run after run (their
-  // capacity stays: no allocation per run once warm).
+  // The lowering of a run of a Program, and the launch arguments built from a lowering, reused
+  // run after run (their capacity stays: no allocation per run once warm).
   std::vector<std::byte*> window_data;  // window.data(r) per rank, read at the first run
-  lowering::CommandList commands;
+  PreparedProgram::Lowered one_shot;
+  std::vector<lowering::Copy> cast_copies;  // enqueue_casts' same-type casts
   std::vector<cuda_kernels::ReduceSpec> reduce_specs;
   std::vector<cuda_kernels::CopySpec> copy_specs;
   std::vector<void*> batch_dsts;
@@ -221,14 +231,20 @@ struct CudaExecutor::Impl {
   }
 
   // ---- Lowering (lowering.cpp). ----
-  void enqueue_program(const Program& program, const Bindings& bindings, uint64_t epoch,
-                       uint64_t tag);
+  // validate_run, unless `lowered` holds the lowering for these bindings (`reuse`), then the
+  // program's commands enqueued (lowered again first unless `reuse`) under the window's next epoch.
+  void run(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& lowered,
+           bool reuse);
+  void lower(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& out);
+  void enqueue_program(const Program& program, const Bindings& bindings,
+                       PreparedProgram::Lowered& lowered, uint64_t epoch, uint64_t tag);
   // The commands of lowering::lower (command_list.hpp), each issued as lowering.cpp's header says.
   void enqueue_casts(const std::vector<Step>& steps, std::size_t first, std::size_t end,
                      const Resolve& resolve);
-  void launch_reduces(const lowering::Command& c);
-  void launch_copies(std::size_t first, std::size_t count);
-  void enqueue_engine_copies(std::size_t first, std::size_t count);
+  void launch_reduces(const lowering::CommandList& list, const lowering::Command& c);
+  void launch_copies(const std::vector<lowering::Copy>& copies, std::size_t first, std::size_t count);
+  void enqueue_engine_copies(const std::vector<lowering::Copy>& copies, std::size_t first,
+                             std::size_t count);
   std::size_t cast_to_peers_start(const Program& program) const;
   void enqueue_cast_to_peers(const std::vector<Step>& steps, std::size_t first, const Resolve& resolve,
                        uint64_t epoch, uint64_t tag);

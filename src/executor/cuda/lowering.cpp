@@ -50,29 +50,61 @@ namespace tide {
 
 using namespace cuda_executor_detail;
 
-void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings& bindings,
-                                         uint64_t epoch, uint64_t tag) {
-  const Resolve resolve = [&](const Address& a) {
-    return detail::resolve_address(a, bindings, [&](int r) { return window.data(r); });
-  };
+void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
+                             PreparedProgram::Lowered& lowered, bool reuse) {
+  if (!reuse) {
+    lowered.valid = false;
+    validate_run(program, bindings, window.rank(), window.world(), window.data_bytes(),
+                 window.data(window.rank()),
+                 /*net_supported=*/network != nullptr || window.scope() == CudaWindowScope::kHost);
+  }
+  throw_if_failed();
+  const uint64_t epoch = window.next_epoch();
+  // Past this point the window's epoch and network counters have moved: a failure while
+  // enqueuing leaves this executor out of step with its peers, so it fails for good.
+  try {
+    if (!reuse) {
+      lower(program, bindings, lowered);
+      lowered.bindings = bindings;
+      lowered.valid = true;
+      ++stats.lowerings;
+    }
+    enqueue_program(program, bindings, lowered, epoch, program.tag());
+  } catch (...) {
+    lowered.valid = false;
+    store_error(std::current_exception());
+    throw;
+  }
+}
 
+void CudaExecutor::Impl::lower(const Program& program, const Bindings& bindings,
+                               PreparedProgram::Lowered& out) {
   const std::vector<Step>& steps = program.steps;
-  bool has_net = false;
+  out.has_net = false;
   for (const Step& step : steps)
-    has_net |= std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op);
-  net::GroupSchedule schedule;
-  if (has_net) {
-    schedule = net::schedule_groups(program);
+    out.has_net |= std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op);
+  if (out.has_net) {
+    out.schedule = net::schedule_groups(program);
     if (!net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&net_ready, cudaEventDisableTiming));
   }
   if (window_data.empty())
     for (int r = 0; r < window.world(); ++r) window_data.push_back(window.data(r));
-  const lowering::LoweringContext context{&window_data, has_net ? &schedule : nullptr,
-                                          has_net ? steps.size() : cast_to_peers_start(program)};
-  lowering::lower(program, bindings, context, commands);
+  const lowering::LoweringContext context{&window_data, out.has_net ? &out.schedule : nullptr,
+                                          out.has_net ? steps.size() : cast_to_peers_start(program)};
+  lowering::lower(program, bindings, context, out.commands);
+}
 
+void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings& bindings,
+                                         PreparedProgram::Lowered& lowered, uint64_t epoch,
+                                         uint64_t tag) {
+  const Resolve resolve = [&](const Address& a) {
+    return detail::resolve_address(a, bindings, [&](int r) { return window.data(r); });
+  };
+  const std::vector<Step>& steps = program.steps;
+  const net::GroupSchedule& schedule = lowered.schedule;
+  const lowering::CommandList& list = lowered.commands;
   std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
-  for (const lowering::Command& c : commands.commands) {
+  for (const lowering::Command& c : list.commands) {
     switch (c.kind) {
       case lowering::CommandKind::kNetActions:  // the schedule's issues and waits before step c.step
         for (int g : schedule.issue_before[c.step])
@@ -83,15 +115,15 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
         break;
       case lowering::CommandKind::kCastToPeers: enqueue_cast_to_peers(steps, c.step, resolve, epoch, tag); break;
       case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve); break;
-      case lowering::CommandKind::kReduceKernel: launch_reduces(c); break;
+      case lowering::CommandKind::kReduceKernel: launch_reduces(list, c); break;
       case lowering::CommandKind::kCopy2D: {
-        const lowering::Copy2D& copy = commands.copies_2d[c.first];
+        const lowering::Copy2D& copy = list.copies_2d[c.first];
         enqueue_copy_2d(copy.dst, copy.dst_pitch, copy.src, copy.src_pitch, copy.width, copy.rows);
         stats.copies_coalesced += static_cast<int>(copy.merged);
         break;
       }
-      case lowering::CommandKind::kEngineCopies: enqueue_engine_copies(c.first, c.count); break;
-      case lowering::CommandKind::kCopyKernel: launch_copies(c.first, c.count); break;
+      case lowering::CommandKind::kEngineCopies: enqueue_engine_copies(list.copies, c.first, c.count); break;
+      case lowering::CommandKind::kCopyKernel: launch_copies(list.copies, c.first, c.count); break;
       case lowering::CommandKind::kFlagOps: enqueue_flag_ops(steps, c.step, c.end, epoch, tag); break;
       case lowering::CommandKind::kNetStep:
         // The step's group is issued with the schedule's actions; it waits for the compute
@@ -224,7 +256,7 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
 void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size_t first,
                                        std::size_t end, const Resolve& resolve) {
   std::vector<cuda_kernels::CastSpec> casts;
-  const std::size_t first_copy = commands.copies.size();  // the same-type casts' copies, after the list's
+  cast_copies.clear();  // the same-type casts' copies
   for (std::size_t i = first; i < end; ++i) {
     const CastOp& cast = std::get<CastOp>(steps[i].op);
     std::byte* dst = resolve(cast.dst);
@@ -235,7 +267,7 @@ void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size
                         cast.count * dst_size, static_cast<std::size_t>(cast.rows));
     } else if (cast.src_dtype == cast.dst_dtype) {
       if (cast.count > 0)
-        commands.copies.push_back({resolve(cast.src), dst, static_cast<std::size_t>(cast.count) * dst_size});
+        cast_copies.push_back({resolve(cast.src), dst, static_cast<std::size_t>(cast.count) * dst_size});
       if (cast.pad > 0)
         TIDE_CUDA_CHECK(cudaMemsetAsync(dst + cast.count * dst_size, 0, cast.pad * dst_size, stream));
     } else {
@@ -244,11 +276,10 @@ void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size
                        static_cast<int64_t>(cast.dst_pitch / dst_size)});
     }
   }
-  const std::size_t all = commands.copies.size() - first_copy;
-  const std::size_t kernel = lowering::kernel_copies(commands.copies, first_copy);
-  if (kernel > 0) launch_copies(first_copy, kernel);
-  if (all > kernel) enqueue_engine_copies(first_copy + kernel, all - kernel);
-  commands.copies.resize(first_copy);
+  const std::size_t all = cast_copies.size();
+  const std::size_t kernel = lowering::kernel_copies(cast_copies, 0);
+  if (kernel > 0) launch_copies(cast_copies, 0, kernel);
+  if (all > kernel) enqueue_engine_copies(cast_copies, kernel, all - kernel);
   if (!casts.empty())
     launch_timed(KernelKind::kCast, stream, [&] {
       return cuda_kernels::launch_casts(casts.data(), casts.size(), 0, stream);
@@ -256,11 +287,11 @@ void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size
 }
 
 // The reduces of one kernel (command_list.cpp batched them).
-void CudaExecutor::Impl::launch_reduces(const lowering::Command& c) {
+void CudaExecutor::Impl::launch_reduces(const lowering::CommandList& list, const lowering::Command& c) {
   reduce_specs.clear();
   for (std::size_t k = c.first; k < c.first + c.count; ++k) {
-    const lowering::Reduce& r = commands.reduces[k];
-    reduce_specs.push_back({commands.sources.data() + r.first_source, r.dst, r.partial, r.count,
+    const lowering::Reduce& r = list.reduces[k];
+    reduce_specs.push_back({list.sources.data() + r.first_source, r.dst, r.partial, r.count,
                             r.prescale, r.scale, r.accumulate, element_type(r.src_dtype),
                             element_type(r.dst_dtype), element_type(r.partial_dtype)});
   }
@@ -271,10 +302,11 @@ void CudaExecutor::Impl::launch_reduces(const lowering::Command& c) {
 }
 
 // copies[first, first + count) as one copy kernel (SM stores).
-void CudaExecutor::Impl::launch_copies(std::size_t first, std::size_t count) {
+void CudaExecutor::Impl::launch_copies(const std::vector<lowering::Copy>& copies, std::size_t first,
+                                       std::size_t count) {
   copy_specs.clear();
   for (std::size_t k = first; k < first + count; ++k) {
-    const lowering::Copy& c = commands.copies[k];
+    const lowering::Copy& c = copies[k];
     copy_specs.push_back({c.src, c.dst, c.bytes});
   }
   launch_timed(KernelKind::kCopy, stream, [&] {
@@ -285,10 +317,11 @@ void CudaExecutor::Impl::launch_copies(std::size_t first, std::size_t count) {
 
 // copies[first, first + count) in one cudaMemcpyBatchAsync (copy engines preferred, source in
 // stream order); one cudaMemcpyAsync each where batches are unavailable.
-void CudaExecutor::Impl::enqueue_engine_copies(std::size_t first, std::size_t count) {
+void CudaExecutor::Impl::enqueue_engine_copies(const std::vector<lowering::Copy>& copies,
+                                               std::size_t first, std::size_t count) {
   batch_dsts.clear(), batch_srcs.clear(), batch_sizes.clear();
   for (std::size_t k = first; k < first + count; ++k) {
-    const lowering::Copy& c = commands.copies[k];
+    const lowering::Copy& c = copies[k];
     batch_dsts.push_back(c.dst), batch_srcs.push_back(c.src), batch_sizes.push_back(c.bytes);
   }
   stats.copies += static_cast<int>(count);
