@@ -190,8 +190,8 @@ class PreparedProgram {
 
  private:
   friend class CudaExecutor;
-  PreparedProgram(const CudaExecutor& owner, Program program);
-  const CudaExecutor* owner_;
+  PreparedProgram(uint64_t owner, Program program);
+  uint64_t owner_;  // the preparing executor's serial number (an address could be reused)
   const Program program_;  // a copy: nothing can change it under the kept lowering
   std::unique_ptr<Lowered> lowered_;
 };

@@ -169,6 +169,8 @@ def _fsdp(args, parser, device) -> int:
         out["peak_pss_mib"] = max(pss) if all(v is not None for v in pss) else None  # the largest rank
         sm = [r["sm_cta_us"] for r in runs if r.get("sm_cta_us") is not None]
         out["sm_cta_us"] = sum(sm) / len(sm) if sm else None  # per rank, averaged
+        lowered = [r["lowered"] for r in runs if r.get("lowered") is not None]
+        out["lowered"] = [sum(v[0] for v in lowered), sum(v[1] for v in lowered)] if lowered else None
         return out
 
     summary = {"model": model_name, "family": cfg.family, "config": cfg.as_dict(), "params": cfg.params(),

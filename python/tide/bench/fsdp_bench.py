@@ -204,6 +204,10 @@ def _build(cfg, device: str, mp: str, world: int, expert_shard_dim: int = 0, fp8
     return model
 
 
+def _collective_runs(counts: dict) -> int:
+    return counts["all_gathers"] + counts["reduce_scatters"]
+
+
 def _progress(label: str, done: int, total: int) -> None:
     width = 30
     filled = width * done // total
@@ -266,12 +270,15 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
         one_step()
     step_counts = handle.counts() if handle is not None else None
     sm_cta_us = None  # TIDE's kernels' SM time in one step (CUDA); NCCL's cannot be timed from here
+    lowered = None  # (collectives lowered again, collectives) in that step
     if device == "cuda":  # both modes take this step: their parameters must see the same updates
         if handle is not None:
             handle.enable_sm_stats(True)
+            runs_before = _collective_runs(handle.counts())
         one_step()
         if handle is not None:
             sm_cta_us = handle.sm_cta_us()
+            lowered = (handle.lowerings(), _collective_runs(handle.counts()) - runs_before)
             handle.enable_sm_stats(False)
     for step in range(total):
         with CollectiveTimer(device) as timer:
@@ -298,6 +305,7 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
         "layout_copy_bytes": counter.bytes,
         "shard_dim_copy_bytes": counter.shard_dim_bytes,
         "sm_cta_us": sm_cta_us,
+        "lowered": lowered,
         "peak_memory_mib": (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
                             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",

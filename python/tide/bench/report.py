@@ -58,6 +58,10 @@ def fsdp_table(summary: dict) -> str:
         lines.append(f"SM time of collectives per step and rank: TIDE {t['sm_cta_us']:.0f} CTA*us (cast + "
                      "reduce kernels; copies and flags use none); stock: NCCL's kernels, not measurable "
                      "from here (see tide-bench interference)")
+    if t.get("lowered") is not None:
+        lowered, runs = t["lowered"]
+        lines.append(f"TIDE collectives that lowered their program again in a warm step (all ranks): "
+                     f"{lowered} of {runs} (the others reused it: their pointers were the last run's)")
     return "\n".join(lines)
 
 

@@ -93,6 +93,13 @@ class TideFSDP:
                               + st.network_cta_us)
         return total
 
+    def lowerings(self) -> int:
+        """CUDA: the collectives since enable_sm_stats that checked and lowered their program (a
+        window's first run of it, or a run on other pointers than its last); the others reused the
+        lowering. Synchronizes the executors. 0 on CPU."""
+        return sum(pooled.executor.stats().lowerings for pool in self.pools
+                   for pooled in pool.all_windows() if hasattr(pooled.executor, "stats"))
+
     def __repr__(self):
         return (f"TideFSDP({len(self.buckets)} buckets handled, {len(self.fallbacks)} fallbacks, "
                 f"{sum(len(p.all_windows()) for p in self.pools)} pooled windows)")

@@ -210,17 +210,17 @@ void CudaExecutor::run(const Program& program, const Bindings& bindings) {
   impl_->run(program, bindings, impl_->one_shot, /*reuse=*/false);
 }
 
-PreparedProgram::PreparedProgram(const CudaExecutor& owner, Program program)
-    : owner_(&owner), program_(std::move(program)), lowered_(std::make_unique<Lowered>()) {}
+PreparedProgram::PreparedProgram(uint64_t owner, Program program)
+    : owner_(owner), program_(std::move(program)), lowered_(std::make_unique<Lowered>()) {}
 
 PreparedProgram::~PreparedProgram() = default;
 
 std::unique_ptr<PreparedProgram> CudaExecutor::prepare(const Program& program) const {
-  return std::unique_ptr<PreparedProgram>(new PreparedProgram(*this, program));
+  return std::unique_ptr<PreparedProgram>(new PreparedProgram(impl_->serial, program));
 }
 
 void CudaExecutor::run(PreparedProgram& prepared, const Bindings& bindings) {
-  TIDE_CHECK_ARG(prepared.owner_ == this, "CudaExecutor::run", "prepared",
+  TIDE_CHECK_ARG(prepared.owner_ == impl_->serial, "CudaExecutor::run", "prepared",
                  "a program prepared by another executor",
                  "one of this executor's (its lowering holds this executor's window addresses)");
   PreparedProgram::Lowered& lowered = *prepared.lowered_;

@@ -170,6 +170,11 @@ struct CudaExecutor::Impl {
   // run after run (their capacity stays: no allocation per run once warm).
   std::vector<std::byte*> window_data;  // window.data(r) per rank, read at the first run
   PreparedProgram::Lowered one_shot;
+  // This executor's number among the process's executors: which PreparedPrograms are its own.
+  const uint64_t serial = [] {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1);
+  }();
   std::vector<lowering::Copy> cast_copies;  // enqueue_casts' same-type casts
   std::vector<cuda_kernels::ReduceSpec> reduce_specs;
   std::vector<cuda_kernels::CopySpec> copy_specs;
