@@ -27,7 +27,8 @@ HOOK_DIR = HERE / "tide_on"
 
 
 def collect(python: str, tests_dir: Path, file: str) -> list[str]:
-    out = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", file],
+    out = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "--rootdir", str(tests_dir), file],
                          cwd=tests_dir, capture_output=True, text=True, timeout=600)
     ids = [line.strip() for line in out.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if not ids:
@@ -111,7 +112,8 @@ def run_one(python: str, tests_dir: Path, test_id: str, mode: str, timeout: floa
     env.setdefault("TIDE_UPSTREAM_CPU_MULTIPROC", "1")
     t0 = time.time()
     with open(log_file, "w") as f:
-        proc = subprocess.Popen([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", test_id],
+        proc = subprocess.Popen([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
+                                 "--rootdir", str(tests_dir), test_id],
                                 cwd=tests_dir, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
