@@ -18,8 +18,9 @@
 #
 # Stages record their result and the sources digest in $GATE_DIR (default build-gate/), so the
 # gate can run as several invocations on the same machine; the verdict line counts a stage that has
-# not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/). Within the
-# 600 s of one command on one H200: `build cpp+python+bench` (~450 s), then `sanitize verdict`.
+# not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/). In two
+# invocations of under ten minutes each on one H200: `build cpp+python+bench` (~450 s), then
+# `sanitize verdict` (under a minute).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
