@@ -140,6 +140,9 @@ struct PreparedProgram::Lowered {
   bool has_net = false;
   net::GroupSchedule schedule;  // has_net only
   lowering::CommandList commands;
+  // Per command, its kernel launches with their tables (reduce and copy kernels; empty for the
+  // others), built at the first run of these commands.
+  std::vector<cuda_kernels::Launches> launches;
 };
 
 struct CudaExecutor::Impl {
@@ -246,8 +249,10 @@ struct CudaExecutor::Impl {
   // The commands of lowering::lower (command_list.hpp), each issued as lowering.cpp's header says.
   void enqueue_casts(const std::vector<Step>& steps, std::size_t first, std::size_t end,
                      const Resolve& resolve);
-  void launch_reduces(const lowering::CommandList& list, const lowering::Command& c);
-  void launch_copies(const std::vector<lowering::Copy>& copies, std::size_t first, std::size_t count);
+  cuda_kernels::Launches reduce_launches(const lowering::CommandList& list, const lowering::Command& c);
+  cuda_kernels::Launches copy_launches(const std::vector<lowering::Copy>& copies, std::size_t first,
+                                       std::size_t count);
+  void run_launches(const cuda_kernels::Launches& launches, KernelKind kind);
   void enqueue_engine_copies(const std::vector<lowering::Copy>& copies, std::size_t first,
                              std::size_t count);
   std::size_t cast_to_peers_start(const Program& program) const;

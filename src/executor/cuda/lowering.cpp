@@ -64,6 +64,7 @@ void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
   // enqueuing leaves this executor out of step with its peers, so it fails for good.
   try {
     if (!reuse) {
+      lowered.launches.clear();
       lower(program, bindings, lowered);
       lowered.bindings = bindings;
       lowered.valid = true;
@@ -103,8 +104,11 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
   const std::vector<Step>& steps = program.steps;
   const net::GroupSchedule& schedule = lowered.schedule;
   const lowering::CommandList& list = lowered.commands;
+  const bool build = lowered.launches.empty();  // the first run of these commands
+  if (build) lowered.launches.resize(list.commands.size());
   std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
-  for (const lowering::Command& c : list.commands) {
+  for (std::size_t k = 0; k < list.commands.size(); ++k) {
+    const lowering::Command& c = list.commands[k];
     switch (c.kind) {
       case lowering::CommandKind::kNetActions:  // the schedule's issues and waits before step c.step
         for (int g : schedule.issue_before[c.step])
@@ -115,7 +119,10 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
         break;
       case lowering::CommandKind::kCastToPeers: enqueue_cast_to_peers(steps, c.step, resolve, epoch, tag); break;
       case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve); break;
-      case lowering::CommandKind::kReduceKernel: launch_reduces(list, c); break;
+      case lowering::CommandKind::kReduceKernel:
+        if (build) lowered.launches[k] = reduce_launches(list, c);
+        run_launches(lowered.launches[k], KernelKind::kReduce);
+        break;
       case lowering::CommandKind::kCopy2D: {
         const lowering::Copy2D& copy = list.copies_2d[c.first];
         enqueue_copy_2d(copy.dst, copy.dst_pitch, copy.src, copy.src_pitch, copy.width, copy.rows);
@@ -123,7 +130,11 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
         break;
       }
       case lowering::CommandKind::kEngineCopies: enqueue_engine_copies(list.copies, c.first, c.count); break;
-      case lowering::CommandKind::kCopyKernel: launch_copies(list.copies, c.first, c.count); break;
+      case lowering::CommandKind::kCopyKernel:
+        if (build) lowered.launches[k] = copy_launches(list.copies, c.first, c.count);
+        run_launches(lowered.launches[k], KernelKind::kCopy);
+        stats.copies_by_kernel += static_cast<int>(c.count);
+        break;
       case lowering::CommandKind::kFlagOps: enqueue_flag_ops(steps, c.step, c.end, epoch, tag); break;
       case lowering::CommandKind::kNetStep:
         // The step's group is issued with the schedule's actions; it waits for the compute
@@ -278,7 +289,10 @@ void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size
   }
   const std::size_t all = cast_copies.size();
   const std::size_t kernel = lowering::kernel_copies(cast_copies, 0);
-  if (kernel > 0) launch_copies(cast_copies, 0, kernel);
+  if (kernel > 0) {
+    run_launches(copy_launches(cast_copies, 0, kernel), KernelKind::kCopy);
+    stats.copies_by_kernel += static_cast<int>(kernel);
+  }
   if (all > kernel) enqueue_engine_copies(cast_copies, kernel, all - kernel);
   if (!casts.empty())
     launch_timed(KernelKind::kCast, stream, [&] {
@@ -286,8 +300,9 @@ void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size
     });
 }
 
-// The reduces of one kernel (command_list.cpp batched them).
-void CudaExecutor::Impl::launch_reduces(const lowering::CommandList& list, const lowering::Command& c) {
+// The reduces of one kernel (command_list.cpp batched them), their tables built.
+cuda_kernels::Launches CudaExecutor::Impl::reduce_launches(const lowering::CommandList& list,
+                                                           const lowering::Command& c) {
   reduce_specs.clear();
   for (std::size_t k = c.first; k < c.first + c.count; ++k) {
     const lowering::Reduce& r = list.reduces[k];
@@ -295,24 +310,22 @@ void CudaExecutor::Impl::launch_reduces(const lowering::CommandList& list, const
                             r.prescale, r.scale, r.accumulate, element_type(r.src_dtype),
                             element_type(r.dst_dtype), element_type(r.partial_dtype)});
   }
-  launch_timed(KernelKind::kReduce, stream, [&] {
-    return cuda_kernels::launch_reduces(reduce_specs.data(), reduce_specs.size(), c.num_sources, 0,
-                                        stream);
-  });
+  return cuda_kernels::reduce_launches(reduce_specs.data(), reduce_specs.size(), c.num_sources, 0);
 }
 
-// copies[first, first + count) as one copy kernel (SM stores).
-void CudaExecutor::Impl::launch_copies(const std::vector<lowering::Copy>& copies, std::size_t first,
-                                       std::size_t count) {
+// copies[first, first + count) as one copy kernel (SM stores), its table built.
+cuda_kernels::Launches CudaExecutor::Impl::copy_launches(const std::vector<lowering::Copy>& copies,
+                                                         std::size_t first, std::size_t count) {
   copy_specs.clear();
   for (std::size_t k = first; k < first + count; ++k) {
     const lowering::Copy& c = copies[k];
     copy_specs.push_back({c.src, c.dst, c.bytes});
   }
-  launch_timed(KernelKind::kCopy, stream, [&] {
-    return cuda_kernels::launch_copies(copy_specs.data(), copy_specs.size(), stream);
-  });
-  stats.copies_by_kernel += static_cast<int>(count);
+  return cuda_kernels::copy_launches(copy_specs.data(), copy_specs.size());
+}
+
+void CudaExecutor::Impl::run_launches(const cuda_kernels::Launches& launches, KernelKind kind) {
+  launch_timed(kind, stream, [&] { return launches.run(stream); });
 }
 
 // copies[first, first + count) in one cudaMemcpyBatchAsync (copy engines preferred, source in
