@@ -141,7 +141,7 @@ struct PreparedProgram::Lowered {
   net::GroupSchedule schedule;  // has_net only
   lowering::CommandList commands;
   // Per command, its kernel launches with their tables (reduce and copy kernels; empty for the
-  // others), built at the first run of these commands.
+  // others), built with the lowering.
   std::vector<cuda_kernels::Launches> launches;
 };
 
@@ -241,11 +241,12 @@ struct CudaExecutor::Impl {
   // ---- Lowering (lowering.cpp). ----
   // validate_run, unless `lowered` holds the lowering for these bindings (`reuse`), then the
   // program's commands enqueued (lowered again first unless `reuse`) under the window's next epoch.
+  // Enqueueing only reads the lowering: what a reused run issues is what the first one did.
   void run(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& lowered,
            bool reuse);
   void lower(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& out);
   void enqueue_program(const Program& program, const Bindings& bindings,
-                       PreparedProgram::Lowered& lowered, uint64_t epoch, uint64_t tag);
+                       const PreparedProgram::Lowered& lowered, uint64_t epoch, uint64_t tag);
   // The commands of lowering::lower (command_list.hpp), each issued as lowering.cpp's header says.
   void enqueue_casts(const std::vector<Step>& steps, std::size_t first, std::size_t end,
                      const Resolve& resolve);

@@ -64,9 +64,8 @@ void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
   // enqueuing leaves this executor out of step with its peers, so it fails for good.
   try {
     if (!reuse) {
-      lowered.launches.clear();
       lower(program, bindings, lowered);
-      lowered.bindings = bindings;
+      if (&lowered != &one_shot) lowered.bindings = bindings;  // a one-shot lowering is not reused
       lowered.valid = true;
       ++stats.lowerings;
     }
@@ -93,10 +92,20 @@ void CudaExecutor::Impl::lower(const Program& program, const Bindings& bindings,
   const lowering::LoweringContext context{&window_data, out.has_net ? &out.schedule : nullptr,
                                           out.has_net ? steps.size() : cast_to_peers_start(program)};
   lowering::lower(program, bindings, context, out.commands);
+  // The reduce and copy kernels' tables, built once for these pointers.
+  out.launches.clear();
+  out.launches.resize(out.commands.commands.size());
+  for (std::size_t k = 0; k < out.commands.commands.size(); ++k) {
+    const lowering::Command& c = out.commands.commands[k];
+    if (c.kind == lowering::CommandKind::kReduceKernel)
+      out.launches[k] = reduce_launches(out.commands, c);
+    else if (c.kind == lowering::CommandKind::kCopyKernel)
+      out.launches[k] = copy_launches(out.commands.copies, c.first, c.count);
+  }
 }
 
 void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings& bindings,
-                                         PreparedProgram::Lowered& lowered, uint64_t epoch,
+                                         const PreparedProgram::Lowered& lowered, uint64_t epoch,
                                          uint64_t tag) {
   const Resolve resolve = [&](const Address& a) {
     return detail::resolve_address(a, bindings, [&](int r) { return window.data(r); });
@@ -104,8 +113,6 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
   const std::vector<Step>& steps = program.steps;
   const net::GroupSchedule& schedule = lowered.schedule;
   const lowering::CommandList& list = lowered.commands;
-  const bool build = lowered.launches.empty();  // the first run of these commands
-  if (build) lowered.launches.resize(list.commands.size());
   std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
   for (std::size_t k = 0; k < list.commands.size(); ++k) {
     const lowering::Command& c = list.commands[k];
@@ -120,7 +127,6 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
       case lowering::CommandKind::kCastToPeers: enqueue_cast_to_peers(steps, c.step, resolve, epoch, tag); break;
       case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve); break;
       case lowering::CommandKind::kReduceKernel:
-        if (build) lowered.launches[k] = reduce_launches(list, c);
         run_launches(lowered.launches[k], KernelKind::kReduce);
         break;
       case lowering::CommandKind::kCopy2D: {
@@ -131,7 +137,6 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
       }
       case lowering::CommandKind::kEngineCopies: enqueue_engine_copies(list.copies, c.first, c.count); break;
       case lowering::CommandKind::kCopyKernel:
-        if (build) lowered.launches[k] = copy_launches(list.copies, c.first, c.count);
         run_launches(lowered.launches[k], KernelKind::kCopy);
         stats.copies_by_kernel += static_cast<int>(c.count);
         break;
