@@ -815,50 +815,74 @@ TEST(CudaCollectives, ReduceScatterDriverCallsDoNotGrowWithParams) {
   }
 }
 
-// A prepared program checks and lowers once per set of pointers: three runs on the same bindings
-// lower once, a run on other output buffers lowers again, and both sets of shards hold the same
-// reduced bytes (inputs equal). The report: lowerings after each phase, then whether the shards match.
-std::string prepared_reduce_scatter(int rank, Bootstrap& b) {
+// A prepared program checks and lowers once per set of pointers, and a reused lowering reads the
+// gradients' current bytes. Per delivery: two runs on bindings A lower once; new gradient bytes, a
+// third run on A (reused); a one-shot run of the Program on B (its own lowering) must give the same
+// shards bitwise; then B, A, B through the prepared program lower each time (one kept lowering);
+// and a prepared all-gather runs twice on one lowering. The report: the lowering counts, then
+// whether the reused run's shards equal the one-shot run's and changed with the gradients.
+std::string prepared_runs(int rank, Bootstrap& b, Delivery delivery) {
   select_device(rank);
   std::vector<ParamSpec> specs;
   for (int i = 0; i < 64; ++i)
     specs.push_back({"p" + std::to_string(i), {64, 32}, DType::kBF16, DType::kFP32});
   const BucketLayout layout(specs, Topology::single_node(2));
-  std::vector<DeviceBuffer> grads, first, second;
-  Bindings bindings, rebound;
+  std::vector<DeviceBuffer> grads, first, second, params;
+  Bindings bound_a, bound_b, gather;
   for (const ParamLayout& p : layout.params()) {
     grads.emplace_back(p.unsharded_bytes());
     first.emplace_back(p.valid_numel(rank) * 4);
     second.emplace_back(p.valid_numel(rank) * 4);
-    CHECK_CUDA(cudaMemset(grads.back().ptr, 0x3f + int(grads.size() % 7) + rank, p.unsharded_bytes()));
-    bindings.inputs.push_back(grads.back().ptr);
-    bindings.outputs.push_back(first.back().ptr);
-    rebound.inputs.push_back(grads.back().ptr);
-    rebound.outputs.push_back(second.back().ptr);
+    bound_a.inputs.push_back(grads.back().ptr), bound_a.outputs.push_back(first.back().ptr);
+    bound_b.inputs.push_back(grads.back().ptr), bound_b.outputs.push_back(second.back().ptr);
+    gather.inputs.push_back(first.back().ptr);  // fp32 shards
   }
+  auto fill = [&](int value) {
+    for (std::size_t i = 0; i < grads.size(); ++i)
+      CHECK_CUDA(cudaMemset(grads[i].ptr, value + int(i % 7) + rank, layout.param(i).unsharded_bytes()));
+  };
+  auto shards = [&](const std::vector<DeviceBuffer>& out) {
+    std::vector<float> all;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      std::vector<float> one(layout.param(i).valid_numel(rank));
+      CHECK_CUDA(cudaMemcpy(one.data(), out[i].ptr, one.size() * 4, cudaMemcpyDeviceToHost));
+      all.insert(all.end(), one.begin(), one.end());
+    }
+    return all;
+  };
   auto window = CudaWindow::create(b, layout.window_bytes());
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::string report;
+  std::string report = detail::concat(delivery_name(delivery), ": lowerings");
   {
     CudaExecutor executor(*window, stream, 20000ms);
-    const std::unique_ptr<PreparedProgram> prepared =
-        executor.prepare(plan_reduce_scatter(layout, rank, ReduceOptions{}, 1));
-    for (int i = 0; i < 3; ++i) executor.run(*prepared, bindings);
-    report += detail::concat("lowerings ", executor.stats().lowerings);
-    executor.run(*prepared, rebound);
-    executor.run(*prepared, rebound);
-    report += detail::concat(", ", executor.stats().lowerings);
+    const Program rs = plan_reduce_scatter(layout, rank, ReduceOptions{}, 1, {}, delivery);
+    const std::unique_ptr<PreparedProgram> prepared = executor.prepare(rs);
+    auto lowerings = [&] { report += detail::concat(" ", executor.stats().lowerings); };
+    fill(0x3f);
+    executor.run(*prepared, bound_a);
+    executor.run(*prepared, bound_a);
+    lowerings();
     executor.synchronize();
-    bool same = true, nonzero = false;
-    for (std::size_t i = 0; i < first.size(); ++i) {
-      std::vector<float> a(layout.param(i).valid_numel(rank)), c(a.size());
-      CHECK_CUDA(cudaMemcpy(a.data(), first[i].ptr, a.size() * 4, cudaMemcpyDeviceToHost));
-      CHECK_CUDA(cudaMemcpy(c.data(), second[i].ptr, c.size() * 4, cudaMemcpyDeviceToHost));
-      same &= std::memcmp(a.data(), c.data(), a.size() * 4) == 0;
-      for (float v : a) nonzero |= v != 0.0f;
-    }
-    report += same && nonzero ? ", shards equal" : ", shards DIFFER or zero";
+    const std::vector<float> before = shards(first);
+    fill(0x41);
+    executor.run(*prepared, bound_a);
+    lowerings();
+    executor.run(rs, bound_b);
+    lowerings();
+    executor.synchronize();
+    const std::vector<float> reused = shards(first), one_shot = shards(second);
+    for (const Bindings* bound : {&bound_b, &bound_a, &bound_b}) executor.run(*prepared, *bound);
+    lowerings();
+    const std::unique_ptr<PreparedProgram> ag =
+        executor.prepare(plan_all_gather(layout, rank, 2, {}, delivery));
+    executor.run(*ag, gather);
+    executor.run(*ag, gather);
+    lowerings();
+    executor.synchronize();
+    const bool equal = std::memcmp(reused.data(), one_shot.data(), reused.size() * 4) == 0;
+    const bool changed = std::memcmp(reused.data(), before.data(), reused.size() * 4) != 0;
+    report += equal && changed ? ", reused = one-shot, changed" : ", reused DIFFERS or unchanged";
   }
   b.barrier();
   window.reset();
@@ -868,11 +892,16 @@ std::string prepared_reduce_scatter(int rank, Bootstrap& b) {
 
 TEST(CudaCollectives, PreparedProgramLowersOncePerPointerSet) {
   TIDE_REQUIRE_GPU();
-  const harness::TempDir dir;
-  const auto reports =
-      harness::run_rank_processes(2, prepared_reduce_scatter, gpu_ranks(dir)).reports;
-  for (int r = 0; r < 2; ++r)
-    EXPECT_EQ(reports[r], "lowerings 1, 2, shards equal") << "rank " << r;
+  for (const Delivery delivery : kDeliveries) {
+    const harness::TempDir dir;
+    const auto reports = harness::run_rank_processes(2, [&](int rank, Bootstrap& b) {
+      return prepared_runs(rank, b, delivery);
+    }, gpu_ranks(dir)).reports;
+    for (int r = 0; r < 2; ++r)
+      EXPECT_EQ(reports[r], detail::concat(delivery_name(delivery),
+                                           ": lowerings 1 1 2 5 6, reused = one-shot, changed"))
+          << "rank " << r;
+  }
 }
 
 TEST(CudaCollectives, PreparedProgramRunsOnItsOwnExecutorOnly) {

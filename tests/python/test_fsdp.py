@@ -149,23 +149,26 @@ def test_enable_rejects_bad_arguments(kwargs, error, fragment, monkeypatch):
 # table over fake placements (host, GPU) per group rank, no processes needed.
 @pytest.mark.parametrize("device, nodes, local, placements, network, expected", [
     # one node: its ranks must share a host
-    ("cuda", 1, 2, [("a", "g0"), ("a", "g1")], "auto", (None, "")),
-    ("cuda", 1, 2, [("a", "g0"), ("b", "g0")], "auto", (None, "ranks on several hosts (a, b) as one node")),
+    ("cuda", 1, 2, [("a", "g0", "p0"), ("a", "g1", "p1")], "auto", (None, "")),
+    ("cuda", 1, 2, [("a", "g0", "p0"), ("b", "g0", "p1")], "auto", (None, "ranks on several hosts (a, b) as one node")),
     # virtual nodes of one host: CUDA IPC unless NCCL is asked for
-    ("cuda", 2, 1, [("a", "g0"), ("a", "g0")], "auto", ("ipc", "")),
-    ("cuda", 2, 1, [("a", "g0"), ("a", "g1")], "nccl", ("nccl", "")),
-    ("cuda", 2, 1, [("a", "g0"), ("a", "g0")], "nccl", (None, "ranks sharing a GPU")),
+    ("cuda", 2, 1, [("a", "g0", "p0"), ("a", "g0", "p1")], "auto", ("ipc", "")),
+    ("cuda", 2, 1, [("a", "g0", "p0"), ("a", "g1", "p1")], "nccl", ("nccl", "")),
+    ("cuda", 2, 1, [("a", "g0", "p0"), ("a", "g0", "p1")], "nccl", (None, "ranks sharing a GPU")),
     # real nodes: NCCL; IPC cannot reach another host; a node may not span hosts
-    ("cuda", 2, 2, [("a", "g0"), ("a", "g1"), ("b", "g0"), ("b", "g1")], "auto", ("nccl", "")),
-    ("cuda", 2, 2, [("a", "g0"), ("a", "g1"), ("b", "g0"), ("b", "g1")], "ipc",
+    ("cuda", 2, 2, [("a", "g0", "p0"), ("a", "g1", "p1"), ("b", "g0", "p2"), ("b", "g1", "p3")], "auto", ("nccl", "")),
+    ("cuda", 2, 2, [("a", "g0", "p0"), ("a", "g1", "p1"), ("b", "g0", "p2"), ("b", "g1", "p3")], "ipc",
      (None, "transport='ipc' needs every rank of the group on this host")),
-    ("cuda", 2, 2, [("a", "g0"), ("b", "g1"), ("b", "g0"), ("b", "g2")], "auto",
+    ("cuda", 2, 2, [("a", "g0", "p0"), ("b", "g1", "p1"), ("b", "g0", "p2"), ("b", "g2", "p3")], "auto",
      (None, "node 0's ranks are on several hosts (a, b)")),
     # CPU: the host transport, on one host
-    ("cpu", 2, 1, [("a", ""), ("a", "")], "auto", ("host", "")),
-    ("cpu", 2, 1, [("a", ""), ("a", "")], "ipc", ("host", "")),
-    ("cpu", 2, 1, [("a", ""), ("a", "")], "nccl", (None, "transport='nccl' on CPU devices")),
-    ("cpu", 2, 1, [("a", ""), ("b", "")], "auto", (None, "CPU ranks on several hosts")),
+    ("cpu", 2, 1, [("a", "", "p0"), ("a", "", "p1")], "auto", ("host", "")),
+    ("cpu", 2, 1, [("a", "", "p0"), ("a", "", "p1")], "ipc", ("host", "")),
+    ("cpu", 2, 1, [("a", "", "p0"), ("a", "", "p1")], "nccl", (None, "transport='nccl' on CPU devices")),
+    ("cpu", 2, 1, [("a", "", "p0"), ("b", "", "p1")], "auto", (None, "CPU ranks on several hosts")),
+    # ranks as threads of one process: CUDA windows need one process per rank; CPU's do not
+    ("cuda", 1, 2, [("a", "g0", "p0"), ("a", "g0", "p0")], "auto", (None, "threads of one process")),
+    ("cpu", 1, 2, [("a", "", "p0"), ("a", "", "p0")], "auto", (None, "")),
 ])
 def test_transport_follows_placement(device, nodes, local, placements, network, expected):
     import tide.fsdp

@@ -326,6 +326,45 @@ def scenario_two_tensor() -> dict:
     return {"tide": summary, "vs_stock": _equal(mine, stock)}
 
 
+def build_monkey_patched():
+    """Plain weights given the extension methods after ``fully_shard``, on the local tensors (as
+    PyTorch's test_all_gather_extensions_monkey_patch does): FSDP2 sets them up at its lazy init,
+    which runs after ``tide.fsdp.enable`` when enable is called before the first forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+                            for _ in range(3)])
+    for mlp in model:
+        fully_shard(mlp)
+    fully_shard(model)
+    for name, param in model.named_parameters():
+        local = param._local_tensor
+        local.fsdp_pre_all_gather = _bf16_pre.__get__(local)
+        local.fsdp_post_all_gather = _bf16_post.__get__(local)
+    return model
+
+
+def _bf16_pre(self, mesh, outer_size, outer_stride, module, mp_policy):  # the test's (v2 signature)
+    return (self.to(torch.bfloat16),), None
+
+
+@torch.no_grad()
+def _bf16_post(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    (tensor,) = all_gather_outputs
+    assert metadata is None and tensor.dtype == torch.bfloat16
+    if out is not None:
+        with _unsafe_preserve_version_counter(out):
+            out.copy_(tensor)
+        return None
+    upcast = tensor.to(param_dtype)
+    return upcast, (tensor, upcast)
+
+
+def scenario_monkey_patched() -> dict:
+    stock, _ = train_mlp(build_monkey_patched())
+    mine, summary = _with_tide(build_monkey_patched(), train_mlp)
+    return {"tide": summary, "vs_stock": _equal(mine, stock)}
+
+
 def scenario_float8_stock_on(**fsdp_kwargs) -> dict:
     """TIDE against stock FSDP2 both with fp8 all-gather on (every group mixes float8 weights with
     plain params, so stock gathers uint8, which gloo carries)."""
@@ -349,6 +388,7 @@ SCENARIOS = {
     "split_v1": (lambda: scenario_split(1), (2,), False),
     "split_v2": (lambda: scenario_split(2), (2,), False),
     "two_tensor": (scenario_two_tensor, (2,), False),
+    "monkey_patched": (scenario_monkey_patched, (2,), False),
 }
 
 
@@ -461,4 +501,11 @@ def test_pytorch_two_tensor_extension_matches_stock():
         assert tide_run["fallbacks"] == [] and tide_run["extension_buckets"] == 3, tide_run
         assert tide_run["counts"]["all_gathers"] > 0 and tide_run["counts"]["reduce_scatters"] == 0, tide_run
         assert tide_run["ops"]["all_gather_copy_in"] == 0 and tide_run["ops"]["split_with_sizes_copy"] == 0
+        assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
+
+
+def test_extension_methods_attached_after_fully_shard_match_stock():
+    """Methods attached after fully_shard, before the first forward: enable sets them up as FSDP2's
+    lazy init does (before, enable raised AttributeError: no '_extensions_data')."""
+    for rank, r in handled_ranks(2, "monkey_patched", groups=3, extension_groups=3):
         assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"

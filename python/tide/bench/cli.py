@@ -244,7 +244,7 @@ def _refuse_fallback_configuration(args, parser, device) -> None:
     topology, reason = topology_for(list(range(args.world)), args.ranks_per_node)
     if not reason:
         gpus = torch.cuda.device_count() if device == "cuda" else 0
-        placements = [("this-host", f"gpu{r % gpus}" if gpus else "") for r in range(args.world)]
+        placements = [("this-host", f"gpu{r % gpus}" if gpus else "", f"rank{r}") for r in range(args.world)]
         _, reason = transport_for(placements, device, topology, args.transport)
     if reason:
         parser.error(f"--ranks-per-node {args.ranks_per_node} --transport {args.transport} --world "

@@ -293,6 +293,10 @@ def extension_inputs(fp, clear: bool = True) -> list:
     the device, checks padding, and records the metadata and input sizes that
     ``init_unsharded_param`` hands ``fsdp_post_all_gather``). clear=True (a probe outside an
     all-gather) forgets that record again."""
+    if not hasattr(fp, "_extensions_data"):
+        # The methods were attached after fully_shard; FSDP2 sets them up at its lazy init
+        # ("allow monkey patch after init"), which comes after an enable before the first forward.
+        fp._init_extensions()
     inputs = fp.all_gather_inputs
     if clear:
         fp._extensions_data.clear()

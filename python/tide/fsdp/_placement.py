@@ -16,27 +16,30 @@ from ._agreement import exchange
 
 
 def placements(group: dist.ProcessGroup, device: torch.device, timeout_ms: int,
-               enable_round: int) -> list[tuple[str, str]]:
-    """(host name, GPU uuid or "") of every rank of `group`, in group-rank order: where windows can
-    be mapped (one host) and whether NCCL can run (one rank per GPU). Asked over the store, keyed
-    by the enable's agreement round."""
+               enable_round: int) -> list[tuple[str, str, str]]:
+    """(host name, GPU uuid or "", process id) of every rank of `group`, in group-rank order: where
+    windows can be mapped (one host, one process per rank on CUDA) and whether NCCL can run (one
+    rank per GPU). Asked over the store, keyed by the enable's agreement round."""
     gpu = ""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         gpu = str(getattr(props, "uuid", "")) or f"{props.name}#{getattr(props, 'pci_bus_id', device.index)}"
-    mine = f"{socket.gethostname()}|{gpu}"
-    return [tuple(v.split("|", 1)) for v in exchange(group, f"placement/{enable_round}/{device.type}", mine, timeout_ms)]
+    mine = f"{socket.gethostname()}|{gpu}|{os.getpid()}"
+    return [tuple(v.split("|", 2)) for v in exchange(group, f"placement/{enable_round}/{device.type}", mine, timeout_ms)]
 
 
-def transport_for(placements: list[tuple[str, str]], device_type: str, topology: _tide.Topology,
+def transport_for(placements: list[tuple[str, str, str]], device_type: str, topology: _tide.Topology,
                   requested: str) -> tuple[str | None, str]:
     """(transport between the group's nodes, "") or (None, why the group falls back), from where
-    the group's ranks are: `placements` is (host, GPU uuid or "") per group rank. The transport is
-    None for one node, "host" (CPU: the host executor's), "ipc" (CUDA IPC, every rank on this
-    host) or "nccl" (one communicator per window, node-local work still by CUDA IPC). Pure, so
-    tide-bench refuses a configuration with the same decision before anything runs."""
-    hosts = [h for h, _ in placements]
+    the group's ranks are: `placements` is (host, GPU uuid or "", process id) per group rank. The
+    transport is None for one node, "host" (CPU: the host executor's), "ipc" (CUDA IPC, every rank
+    on this host) or "nccl" (one communicator per window, node-local work still by CUDA IPC). Pure,
+    so tide-bench refuses a configuration with the same decision before anything runs."""
+    hosts = [h for h, _, _ in placements]
     one_host = len(set(hosts)) == 1
+    if device_type == "cuda" and len({(h, p) for h, _, p in placements}) < len(placements):
+        return None, ("ranks that are threads of one process on CUDA (tide.fsdp maps its CUDA windows "
+                      "between processes: one process per rank)")
     if topology.nodes == 1:
         if not one_host:
             return None, (f"ranks on several hosts ({', '.join(sorted(set(hosts)))}) as one node: "
@@ -55,7 +58,7 @@ def transport_for(placements: list[tuple[str, str]], device_type: str, topology:
     transport = ("ipc" if one_host else "nccl") if requested == "auto" else requested
     if transport == "ipc" and not one_host:
         return None, "transport='ipc' needs every rank of the group on this host"
-    if transport == "nccl" and len(set(placements)) < len(placements):  # (host, GPU) pairs
+    if transport == "nccl" and len({(h, g) for h, g, _ in placements}) < len(placements):
         return None, "transport='nccl' with ranks sharing a GPU (NCCL refuses two ranks on one GPU)"
     return transport, ""
 

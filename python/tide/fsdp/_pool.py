@@ -25,12 +25,12 @@ class PooledWindow:
     def run(self, program, inputs: list[int], outputs: list[int] = ()) -> None:
         """Runs (CPU) or enqueues (CUDA) `program` on this window's executor."""
         if not hasattr(self.executor, "prepare"):  # the host executor: nothing to keep
-            self.executor.run(program, inputs, list(outputs))
+            self.executor.run(program, inputs, outputs)
             return
         prepared = self.prepared.get(program)
         if prepared is None:
             prepared = self.prepared[program] = self.executor.prepare(program)
-        self.executor.run(prepared, inputs, list(outputs))
+        self.executor.run(prepared, inputs, outputs)
 
     def use_on(self, stream: torch.cuda.Stream) -> None:
         """CUDA: the next program on this window runs on `stream`, after the window's last use."""

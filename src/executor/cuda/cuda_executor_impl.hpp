@@ -140,6 +140,9 @@ struct PreparedProgram::Lowered {
   bool has_net = false;
   net::GroupSchedule schedule;  // has_net only
   lowering::CommandList commands;
+  // Per command, its kernel launches with their tables (reduce and copy kernels; empty for the
+  // others), built with the lowering.
+  std::vector<cuda_kernels::Launches> launches;
 };
 
 struct CudaExecutor::Impl {
@@ -238,16 +241,19 @@ struct CudaExecutor::Impl {
   // ---- Lowering (lowering.cpp). ----
   // validate_run, unless `lowered` holds the lowering for these bindings (`reuse`), then the
   // program's commands enqueued (lowered again first unless `reuse`) under the window's next epoch.
+  // Enqueueing only reads the lowering: what a reused run issues is what the first one did.
   void run(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& lowered,
            bool reuse);
   void lower(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& out);
   void enqueue_program(const Program& program, const Bindings& bindings,
-                       PreparedProgram::Lowered& lowered, uint64_t epoch, uint64_t tag);
+                       const PreparedProgram::Lowered& lowered, uint64_t epoch, uint64_t tag);
   // The commands of lowering::lower (command_list.hpp), each issued as lowering.cpp's header says.
   void enqueue_casts(const std::vector<Step>& steps, std::size_t first, std::size_t end,
                      const Resolve& resolve);
-  void launch_reduces(const lowering::CommandList& list, const lowering::Command& c);
-  void launch_copies(const std::vector<lowering::Copy>& copies, std::size_t first, std::size_t count);
+  cuda_kernels::Launches reduce_launches(const lowering::CommandList& list, const lowering::Command& c);
+  cuda_kernels::Launches copy_launches(const std::vector<lowering::Copy>& copies, std::size_t first,
+                                       std::size_t count);
+  void run_launches(const cuda_kernels::Launches& launches, KernelKind kind);
   void enqueue_engine_copies(const std::vector<lowering::Copy>& copies, std::size_t first,
                              std::size_t count);
   std::size_t cast_to_peers_start(const Program& program) const;

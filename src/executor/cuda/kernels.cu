@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -524,16 +525,17 @@ int launch_cast_table(const std::vector<CastTask>& tasks, std::size_t first, std
 }
 
 // Tasks [first, first + n) (their sources at k * num_sources), n <= Table::capacity(num_sources),
-// fewer than 2^31 tiles in all, as one persistent launch.
+// fewer than 2^31 tiles in all, as one persistent launch, its table built now.
 template <class Table>
-int launch_reduce_table(const std::vector<ReduceTask>& tasks, const std::vector<const void*>& sources,
-                        int num_sources, std::size_t first, std::size_t n, int max_ctas,
-                        cudaStream_t stream) {
-  Table table{};
-  table.num_tasks = static_cast<int>(n);
-  table.num_sources = num_sources;
-  ReduceTask* table_tasks = table.tasks();
-  const void** table_sources = table.sources();
+std::function<int(cudaStream_t)> reduce_table_launch(const std::vector<ReduceTask>& tasks,
+                                                     const std::vector<const void*>& sources,
+                                                     int num_sources, std::size_t first, std::size_t n,
+                                                     int max_ctas) {
+  auto table = std::make_shared<Table>();
+  table->num_tasks = static_cast<int>(n);
+  table->num_sources = num_sources;
+  ReduceTask* table_tasks = table->tasks();
+  const void** table_sources = table->sources();
   int64_t tiles = 0;
   for (std::size_t i = 0; i < n; ++i) {
     table_tasks[i] = tasks[first + i];
@@ -542,28 +544,32 @@ int launch_reduce_table(const std::vector<ReduceTask>& tasks, const std::vector<
   }
   std::copy_n(sources.begin() + static_cast<std::ptrdiff_t>(first * num_sources), n * num_sources,
               table_sources);
-  table.num_tiles = tiles;
+  table->num_tiles = tiles;
   const int grid = grid_for(tiles, max_ctas);
-  reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
-  check_launch("reduce_kernel<<<>>>");
-  return grid;
+  return [table, grid](cudaStream_t stream) {
+    reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(*table);
+    check_launch("reduce_kernel<<<>>>");
+    return grid;
+  };
 }
 
 template <class Table>
-int launch_copy_table(const std::vector<CopyTask>& tasks, std::size_t first, std::size_t n,
-                      cudaStream_t stream) {
-  Table table{};
-  table.num_tasks = static_cast<int>(n);
+std::function<int(cudaStream_t)> copy_table_launch(const std::vector<CopyTask>& tasks, std::size_t first,
+                                                   std::size_t n) {
+  auto table = std::make_shared<Table>();
+  table->num_tasks = static_cast<int>(n);
   for (std::size_t i = 0; i < n; ++i) {
-    table.tasks[i] = tasks[first + i];
-    table.tasks[i].tile_begin = table.num_tiles;
-    table.num_tiles += (table.tasks[i].total + kCopyTileBytes - 1) / kCopyTileBytes;
+    table->tasks[i] = tasks[first + i];
+    table->tasks[i].tile_begin = table->num_tiles;
+    table->num_tiles += (table->tasks[i].total + kCopyTileBytes - 1) / kCopyTileBytes;
   }
   // As the casts' grid: stores only, little in flight per thread.
-  const int grid = grid_for(table.num_tiles, 0, 2);
-  copy_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
-  check_launch("copy_kernel<<<>>>");
-  return grid;
+  const int grid = grid_for(table->num_tiles, 0, 2);
+  return [table, grid](cudaStream_t stream) {
+    copy_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(*table);
+    check_launch("copy_kernel<<<>>>");
+    return grid;
+  };
 }
 
 }  // namespace
@@ -632,8 +638,16 @@ LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ct
   return info;
 }
 
-LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
-                          int max_ctas, cudaStream_t stream) {
+LaunchInfo Launches::run(cudaStream_t stream) const {
+  LaunchInfo info;
+  for (const auto& launch : launches_) {
+    info.launches += 1;
+    info.max_ctas = std::max(info.max_ctas, launch(stream));
+  }
+  return info;
+}
+
+Launches reduce_launches(const ReduceSpec* specs, std::size_t num_specs, int num_sources, int max_ctas) {
   TIDE_CHECK_ARG(num_sources >= 1 && num_sources <= kMaxSources, "launch_reduces", "num_sources",
                  num_sources, detail::concat("in [1, ", kMaxSources, "]"));
   std::vector<ReduceTask> tasks;
@@ -652,40 +666,45 @@ LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int nu
   // Table by size: the one-task and 16-task tables keep a small launch's parameter copy small.
   const std::size_t small = SmallReduceTable::capacity(num_sources);
   const std::size_t large = LargeReduceTable::capacity(num_sources);
-  LaunchInfo info;
+  Launches out;
   for (std::size_t first = 0; first < tasks.size();) {
     std::size_t n = 0;
     int64_t tiles = 0;
     while (first + n < tasks.size() && n < large && tiles + task_tiles[first + n] <= INT32_MAX)
       tiles += task_tiles[first + n++];
-    const int grid =
+    out.launches_.push_back(
         n == 1 && num_sources <= kOneReduceSources
-            ? launch_reduce_table<OneReduceTable>(tasks, sources, num_sources, first, n, max_ctas, stream)
+            ? reduce_table_launch<OneReduceTable>(tasks, sources, num_sources, first, n, max_ctas)
         : n <= small
-            ? launch_reduce_table<SmallReduceTable>(tasks, sources, num_sources, first, n, max_ctas, stream)
-            : launch_reduce_table<LargeReduceTable>(tasks, sources, num_sources, first, n, max_ctas, stream);
-    info.launches += 1;
-    info.max_ctas = std::max(info.max_ctas, grid);
+            ? reduce_table_launch<SmallReduceTable>(tasks, sources, num_sources, first, n, max_ctas)
+            : reduce_table_launch<LargeReduceTable>(tasks, sources, num_sources, first, n, max_ctas));
     first += n;
   }
-  return info;
+  return out;
 }
 
-LaunchInfo launch_copies(const CopySpec* specs, std::size_t num_specs, cudaStream_t stream) {
+LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
+                          int max_ctas, cudaStream_t stream) {
+  return reduce_launches(specs, num_specs, num_sources, max_ctas).run(stream);
+}
+
+Launches copy_launches(const CopySpec* specs, std::size_t num_specs) {
   std::vector<CopyTask> tasks;
   tasks.reserve(num_specs);
   for (std::size_t i = 0; i < num_specs; ++i)
     if (const std::optional<CopyTask> task = copy_task(specs[i])) tasks.push_back(*task);
-  LaunchInfo info;
+  Launches out;
   for (std::size_t first = 0; first < tasks.size();) {
     const std::size_t n = std::min<std::size_t>(tasks.size() - first, kLargeCopyTasks);
-    const int grid = n <= 32 ? launch_copy_table<SmallCopyTable>(tasks, first, n, stream)
-                             : launch_copy_table<LargeCopyTable>(tasks, first, n, stream);
-    info.launches += 1;
-    info.max_ctas = std::max(info.max_ctas, grid);
+    out.launches_.push_back(n <= 32 ? copy_table_launch<SmallCopyTable>(tasks, first, n)
+                                    : copy_table_launch<LargeCopyTable>(tasks, first, n));
     first += n;
   }
-  return info;
+  return out;
+}
+
+LaunchInfo launch_copies(const CopySpec* specs, std::size_t num_specs, cudaStream_t stream) {
+  return copy_launches(specs, num_specs).run(stream);
 }
 
 bool cast_to_peers_fits(std::size_t casts, std::size_t copies, int signals, int waits,

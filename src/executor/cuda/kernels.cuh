@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -82,6 +84,24 @@ LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ct
 LaunchInfo launch_reduces(const ReduceSpec* specs, std::size_t num_specs, int num_sources,
                           int max_ctas, cudaStream_t stream);
 
+struct CopySpec;
+
+// The launches of a batch of reduces or copies with their tables built, to run as they are on any
+// stream, as often as the pointers they hold stay valid: a prepared program's kept lowering
+// (CudaExecutor::prepare) runs them again without building a table per run.
+class Launches {
+ public:
+  LaunchInfo run(cudaStream_t stream) const;
+  bool empty() const { return launches_.empty(); }
+
+ private:
+  friend Launches reduce_launches(const ReduceSpec*, std::size_t, int, int);
+  friend Launches copy_launches(const CopySpec*, std::size_t);
+  std::vector<std::function<int(cudaStream_t)>> launches_;  // each returns its grid
+};
+// launch_reduces' and launch_copies' tables (same checks), not launched.
+Launches reduce_launches(const ReduceSpec* specs, std::size_t num_specs, int num_sources, int max_ctas);
+
 // One kernel for the tail of a small single-node program (Delivery::kCastToPeers): its casts and
 // copies (SM stores, into the peers' windows as well), then its signals, then its waits, then its
 // reduces. A collective's fixed cost is host time, a driver call of ~1-7 µs each (BENCHMARKS.md), and
@@ -119,6 +139,7 @@ struct CopySpec {
 // every copy-engine operation costs the host microseconds.
 inline constexpr int kLargeCopyTasks = 680;
 LaunchInfo launch_copies(const CopySpec* specs, std::size_t num_specs, cudaStream_t stream);
+Launches copy_launches(const CopySpec* specs, std::size_t num_specs);
 
 struct CastToPeersSpec {
   const CastSpec* casts = nullptr;  // contiguous destinations only (rows == 1)

@@ -65,7 +65,7 @@ void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
   try {
     if (!reuse) {
       lower(program, bindings, lowered);
-      lowered.bindings = bindings;
+      if (&lowered != &one_shot) lowered.bindings = bindings;  // a one-shot lowering is not reused
       lowered.valid = true;
       ++stats.lowerings;
     }
@@ -92,10 +92,20 @@ void CudaExecutor::Impl::lower(const Program& program, const Bindings& bindings,
   const lowering::LoweringContext context{&window_data, out.has_net ? &out.schedule : nullptr,
                                           out.has_net ? steps.size() : cast_to_peers_start(program)};
   lowering::lower(program, bindings, context, out.commands);
+  // The reduce and copy kernels' tables, built once for these pointers.
+  out.launches.clear();
+  out.launches.resize(out.commands.commands.size());
+  for (std::size_t k = 0; k < out.commands.commands.size(); ++k) {
+    const lowering::Command& c = out.commands.commands[k];
+    if (c.kind == lowering::CommandKind::kReduceKernel)
+      out.launches[k] = reduce_launches(out.commands, c);
+    else if (c.kind == lowering::CommandKind::kCopyKernel)
+      out.launches[k] = copy_launches(out.commands.copies, c.first, c.count);
+  }
 }
 
 void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings& bindings,
-                                         PreparedProgram::Lowered& lowered, uint64_t epoch,
+                                         const PreparedProgram::Lowered& lowered, uint64_t epoch,
                                          uint64_t tag) {
   const Resolve resolve = [&](const Address& a) {
     return detail::resolve_address(a, bindings, [&](int r) { return window.data(r); });
@@ -104,7 +114,8 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
   const net::GroupSchedule& schedule = lowered.schedule;
   const lowering::CommandList& list = lowered.commands;
   std::vector<cudaEvent_t> group_done;  // this run's groups, in issue order
-  for (const lowering::Command& c : list.commands) {
+  for (std::size_t k = 0; k < list.commands.size(); ++k) {
+    const lowering::Command& c = list.commands[k];
     switch (c.kind) {
       case lowering::CommandKind::kNetActions:  // the schedule's issues and waits before step c.step
         for (int g : schedule.issue_before[c.step])
@@ -115,7 +126,9 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
         break;
       case lowering::CommandKind::kCastToPeers: enqueue_cast_to_peers(steps, c.step, resolve, epoch, tag); break;
       case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve); break;
-      case lowering::CommandKind::kReduceKernel: launch_reduces(list, c); break;
+      case lowering::CommandKind::kReduceKernel:
+        run_launches(lowered.launches[k], KernelKind::kReduce);
+        break;
       case lowering::CommandKind::kCopy2D: {
         const lowering::Copy2D& copy = list.copies_2d[c.first];
         enqueue_copy_2d(copy.dst, copy.dst_pitch, copy.src, copy.src_pitch, copy.width, copy.rows);
@@ -123,7 +136,10 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
         break;
       }
       case lowering::CommandKind::kEngineCopies: enqueue_engine_copies(list.copies, c.first, c.count); break;
-      case lowering::CommandKind::kCopyKernel: launch_copies(list.copies, c.first, c.count); break;
+      case lowering::CommandKind::kCopyKernel:
+        run_launches(lowered.launches[k], KernelKind::kCopy);
+        stats.copies_by_kernel += static_cast<int>(c.count);
+        break;
       case lowering::CommandKind::kFlagOps: enqueue_flag_ops(steps, c.step, c.end, epoch, tag); break;
       case lowering::CommandKind::kNetStep:
         // The step's group is issued with the schedule's actions; it waits for the compute
@@ -278,7 +294,10 @@ void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size
   }
   const std::size_t all = cast_copies.size();
   const std::size_t kernel = lowering::kernel_copies(cast_copies, 0);
-  if (kernel > 0) launch_copies(cast_copies, 0, kernel);
+  if (kernel > 0) {
+    run_launches(copy_launches(cast_copies, 0, kernel), KernelKind::kCopy);
+    stats.copies_by_kernel += static_cast<int>(kernel);
+  }
   if (all > kernel) enqueue_engine_copies(cast_copies, kernel, all - kernel);
   if (!casts.empty())
     launch_timed(KernelKind::kCast, stream, [&] {
@@ -286,8 +305,9 @@ void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size
     });
 }
 
-// The reduces of one kernel (command_list.cpp batched them).
-void CudaExecutor::Impl::launch_reduces(const lowering::CommandList& list, const lowering::Command& c) {
+// The reduces of one kernel (command_list.cpp batched them), their tables built.
+cuda_kernels::Launches CudaExecutor::Impl::reduce_launches(const lowering::CommandList& list,
+                                                           const lowering::Command& c) {
   reduce_specs.clear();
   for (std::size_t k = c.first; k < c.first + c.count; ++k) {
     const lowering::Reduce& r = list.reduces[k];
@@ -295,24 +315,22 @@ void CudaExecutor::Impl::launch_reduces(const lowering::CommandList& list, const
                             r.prescale, r.scale, r.accumulate, element_type(r.src_dtype),
                             element_type(r.dst_dtype), element_type(r.partial_dtype)});
   }
-  launch_timed(KernelKind::kReduce, stream, [&] {
-    return cuda_kernels::launch_reduces(reduce_specs.data(), reduce_specs.size(), c.num_sources, 0,
-                                        stream);
-  });
+  return cuda_kernels::reduce_launches(reduce_specs.data(), reduce_specs.size(), c.num_sources, 0);
 }
 
-// copies[first, first + count) as one copy kernel (SM stores).
-void CudaExecutor::Impl::launch_copies(const std::vector<lowering::Copy>& copies, std::size_t first,
-                                       std::size_t count) {
+// copies[first, first + count) as one copy kernel (SM stores), its table built.
+cuda_kernels::Launches CudaExecutor::Impl::copy_launches(const std::vector<lowering::Copy>& copies,
+                                                         std::size_t first, std::size_t count) {
   copy_specs.clear();
   for (std::size_t k = first; k < first + count; ++k) {
     const lowering::Copy& c = copies[k];
     copy_specs.push_back({c.src, c.dst, c.bytes});
   }
-  launch_timed(KernelKind::kCopy, stream, [&] {
-    return cuda_kernels::launch_copies(copy_specs.data(), copy_specs.size(), stream);
-  });
-  stats.copies_by_kernel += static_cast<int>(count);
+  return cuda_kernels::copy_launches(copy_specs.data(), copy_specs.size());
+}
+
+void CudaExecutor::Impl::run_launches(const cuda_kernels::Launches& launches, KernelKind kind) {
+  launch_timed(kind, stream, [&] { return launches.run(stream); });
 }
 
 // copies[first, first + count) in one cudaMemcpyBatchAsync (copy engines preferred, source in
