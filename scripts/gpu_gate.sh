@@ -29,6 +29,8 @@ cd "$ROOT"
 OUT=${OUT:-$ROOT/gpu-out}
 GATE_DIR=${GATE_DIR:-$ROOT/build-gate}
 mkdir -p "$OUT" "$GATE_DIR"
+# Absolute: stages run their commands from /tmp, where a relative OUT names another folder.
+OUT=$(cd "$OUT" && pwd) GATE_DIR=$(cd "$GATE_DIR" && pwd)
 STAGES=(build cpp python bench sanitize)
 PY=${PYTHON:-python3}
 say() { echo "== gate: $*"; }

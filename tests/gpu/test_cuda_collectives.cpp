@@ -840,6 +840,9 @@ std::string prepared_runs(int rank, Bootstrap& b, Delivery delivery) {
   auto fill = [&](int value) {
     for (std::size_t i = 0; i < grads.size(); ++i)
       CHECK_CUDA(cudaMemset(grads[i].ptr, value + int(i % 7) + rank, layout.param(i).unsharded_bytes()));
+    // cudaMemset runs on the legacy stream, which the executor's non-blocking stream does not wait
+    // for: without this the next run may read the gradients before they are set.
+    CHECK_CUDA(cudaDeviceSynchronize());
   };
   auto shards = [&](const std::vector<DeviceBuffer>& out) {
     std::vector<float> all;
