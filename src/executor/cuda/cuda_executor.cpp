@@ -16,7 +16,8 @@ namespace tide {
 
 static_assert(static_cast<int>(DType::kBF16) == cuda_kernels::kBF16 &&
                   static_cast<int>(DType::kFP16) == cuda_kernels::kFP16 &&
-                  static_cast<int>(DType::kFP32) == cuda_kernels::kFP32,
+                  static_cast<int>(DType::kFP32) == cuda_kernels::kFP32 &&
+                  static_cast<int>(DType::kE4M3) == cuda_kernels::kE4M3,
               "kernel element types must be numbered as tide::DType");
 
 using namespace cuda_executor_detail;

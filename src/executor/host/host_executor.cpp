@@ -136,6 +136,10 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
           const std::byte* src = cast->count > 0 ? resolve(cast->src) + j * src_row : nullptr;
           if (cast->src_dtype == cast->dst_dtype) {
             if (cast->count > 0) std::memcpy(dst, src, cast->count * dst_size);
+          } else if (is_scaled(cast->dst_dtype)) {  // one fp32 multiply per element, then saturate
+            const float scale = *bindings.scales[cast->src.index];
+            for (int64_t k = 0; k < cast->count; ++k)
+              store_from_float(dst, cast->dst_dtype, k, load_as_float(src, cast->src_dtype, k) * scale);
           } else {
             for (int64_t k = 0; k < cast->count; ++k)
               store_from_float(dst, cast->dst_dtype, k, load_as_float(src, cast->src_dtype, k));
