@@ -965,6 +965,40 @@ TEST(CudaCollectives, PreparedProgramRunsOnItsOwnExecutorOnly) {
       << reports[0];
 }
 
+// A prepared e4m3 all-gather reused on the same pointers skips the run's checks, but not its
+// scale: a run without one is refused before anything is enqueued, naming it.
+TEST(CudaCollectives, ReusedE4M3ProgramStillNeedsItsScale) {
+  TIDE_REQUIRE_GPU();
+  const BucketLayout layout({{"w", {64, 8}, DType::kE4M3, DType::kFP32}}, Topology::single_node(1));
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    auto window = CudaWindow::create(b, layout.window_bytes());
+    DeviceBuffer shard(64 * 8 * 4), scale(4);
+    CHECK_CUDA(cudaMemset(shard.ptr, 0, 64 * 8 * 4));
+    CHECK_CUDA(cudaMemset(scale.ptr, 0, 4));
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::string outcome = "no error";
+    {
+      CudaExecutor executor(*window, stream, 1000ms);
+      const auto prepared = executor.prepare(plan_all_gather(layout, 0));
+      Bindings bound{{shard.ptr}, {}, {static_cast<const float*>(scale.ptr)}};
+      executor.run(*prepared, bound);
+      bound.scales.clear();
+      try {
+        executor.run(*prepared, bound);
+      } catch (const InvalidArgument& e) {
+        outcome = e.what();
+      }
+      executor.synchronize();
+    }
+    CHECK_CUDA(cudaStreamDestroy(stream));
+    return outcome;
+  }, gpu_ranks(dir)).reports;
+  EXPECT_NE(reports[0].find("scales[0]"), std::string::npos) << reports[0];
+}
+
 // One stuck-wait rank, in a process or a thread: rank 0 waits for data_ready from ranks 1 and 2;
 // rank 1 signals it; rank 2 signals another bucket's (rank2_signals) or nothing. `in_kernel`:
 // rank 0's program is a kCastToPeers tail (its signals, then the waits), which ranks as threads

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import _tide
 from . import _float8, _fsdp2
-from ._bucket import TORCH_TO_TIDE
+from ._bucket import TIDE_TO_TORCH, TORCH_TO_TIDE
 
 
 def uses_extension(param_group: _fsdp2.FSDPParamGroup) -> bool:
@@ -107,8 +107,10 @@ class ExtensionGather:
         self.scales = [None] * len(self.layout.params)
         for i, (fp, entries) in enumerate(zip(fsdp_params, self.entries)):
             if self.why_not_cast[i] == "":
-                shards.append(_float8.shard(fp))
-                self.scales[entries[0].index] = _float8.scale(fp)
+                shard, scale = _float8.shard(fp), _float8.scale(fp)
+                self._check_cast_input(fp, entries[0], shard, scale)
+                shards.append(shard)
+                self.scales[entries[0].index] = scale
                 continue
             if not _fsdp2.has_extension(fp):
                 shards.append(plain_shard(i, entries[0].index))
@@ -127,6 +129,20 @@ class ExtensionGather:
                                        "is not contiguous")
                 shards.append(t)
         return shards
+
+    def _check_cast_input(self, fp, entry: Entry, shard: torch.Tensor, scale: torch.Tensor) -> None:
+        """What TIDE's cast will read is what enable laid out: the kernel reads the shard's bytes
+        as the layout's dtype and numel, and the scale on the shard's device."""
+        p = self.layout.params[entry.index]
+        want = TIDE_TO_TORCH[p.shard_dtype]
+        if (shard.dtype != want or shard.numel() != entry.numel or not shard.is_contiguous()
+                or scale.device != shard.device):
+            raise RuntimeError(
+                f"tide.fsdp: {p.name}: torchao's float8 weight is now a {shard.dtype} shard of "
+                f"{shard.numel()} elements (contiguous: {shard.is_contiguous()}; scale on {scale.device}), "
+                f"expected a contiguous {want} shard of {entry.numel} with its scale on {shard.device} "
+                "as at tide.fsdp.enable (model.to(dtype) after enable?): change the model before "
+                "tide.fsdp.enable, or disable, change it and enable again")
 
     def scale_pointers(self) -> list[int]:
         """Per layout param, the address of its e4m3 cast's scale (0: none); [] without casts."""
@@ -155,9 +171,9 @@ class ExtensionGather:
         dist.all_reduce(flag, group=group)
         if int(flag.item()) > 0:
             raise RuntimeError(
-                f"tide.fsdp: TIDE's float8 cast differs from torchao's own on {int(flag.item())} param(s) "
-                f"of the group over all ranks (on this rank: {differ or 'none'}); please report it with "
-                "the torch and torchao versions (tide.fsdp.disable(model) trains with stock FSDP2)")
+                f"tide.fsdp: TIDE's float8 cast differs from torchao's own in {int(flag.item())} "
+                f"(param, rank) pair(s) of the group (on this rank: {differ or 'none'}); please report "
+                "it with the torch and torchao versions (tide.fsdp.disable(model) trains with stock FSDP2)")
 
     def input_numels(self) -> list[list[int]]:
         return [[e.numel for e in entries] for entries in self.entries]

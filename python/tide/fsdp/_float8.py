@@ -6,8 +6,9 @@ cast), the copy engines push it, and ``fsdp_post_all_gather`` gets the window's 
 scale as its metadata, as from torchao's own ``fsdp_pre_all_gather``. The scale is torchao's own:
 its precomputed scale (``precompute_float8_dynamic_scale_for_fsdp``) or, per all-gather, its
 ``tensor_to_scale`` with the amax all-reduced over the shard mesh, as its ``fsdp_pre_all_gather``
-computes it. What torchao's eager path costs beside the cast (an abs, a multiply and a clamp
-pass through fp32 temporaries, and the copy of the fp8 shard into the slot) is gone.
+computes it (its abs, max and all-reduce stay torchao's). What torchao's eager cast costs beside
+one pass (a multiply and a clamp through fp32 temporaries, then the conversion) and the copy of
+the fp8 shard into the slot are gone.
 
 Only for the torchao releases whose cast TIDE was checked against (KNOWN_TORCHAO) and the cases it
 covers; everything else takes the generic extension path (_extension.py), whose result is
@@ -60,7 +61,12 @@ def why_not_cast(fp, world: int) -> str:
 
 def shard(fp) -> torch.Tensor:
     """The high-precision shard the cast reads."""
-    return _fsdp2.sharded_local_tensor(fp)._tensor
+    local = _fsdp2.sharded_local_tensor(fp)
+    if not isinstance(getattr(local, "_tensor", None), torch.Tensor):
+        raise RuntimeError(f"tide.fsdp: a float8 weight TIDE casts is now a {type(local).__name__}, not "
+                           "torchao's float8 weight as at tide.fsdp.enable: change the model before "
+                           "tide.fsdp.enable, or disable, change it and enable again")
+    return local._tensor
 
 
 def scale(fp) -> torch.Tensor:

@@ -227,6 +227,11 @@ void CudaExecutor::run(PreparedProgram& prepared, const Bindings& bindings) {
   PreparedProgram::Lowered& lowered = *prepared.lowered_;
   const bool reuse = lowered.valid && lowered.bindings.inputs == bindings.inputs &&
                      lowered.bindings.outputs == bindings.outputs;
+  if (reuse)  // validate_run is skipped: the scales, which the pointers above do not cover
+    for (const int param : lowered.scaled_params)
+      TIDE_CHECK_ARG(static_cast<std::size_t>(param) < bindings.scales.size() && bindings.scales[param],
+                     "Executor::run", detail::concat("scales[", param, "]"), "missing",
+                     "the fp32 scale of the param's e4m3 cast");
   impl_->run(prepared.program_, bindings, lowered, reuse);
 }
 

@@ -138,6 +138,9 @@ struct PreparedProgram::Lowered {
   bool valid = false;  // commands and schedule were made for `bindings`
   Bindings bindings;
   bool has_net = false;
+  // Params whose casts read a scale: a reused lowering still checks their Bindings::scales, which
+  // its pointers do not cover (casts read the scales of the run that enqueues them).
+  std::vector<int> scaled_params;
   net::GroupSchedule schedule;  // has_net only
   lowering::CommandList commands;
   // Per command, its kernel launches with their tables (reduce and copy kernels; empty for the

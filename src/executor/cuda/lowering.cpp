@@ -81,8 +81,12 @@ void CudaExecutor::Impl::lower(const Program& program, const Bindings& bindings,
                                PreparedProgram::Lowered& out) {
   const std::vector<Step>& steps = program.steps;
   out.has_net = false;
-  for (const Step& step : steps)
+  out.scaled_params.clear();
+  for (const Step& step : steps) {
     out.has_net |= std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op);
+    if (const auto* cast = std::get_if<CastOp>(&step.op); cast && is_scaled(cast->dst_dtype))
+      out.scaled_params.push_back(cast->src.index);
+  }
   if (out.has_net) {
     out.schedule = net::schedule_groups(program);
     if (!net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&net_ready, cudaEventDisableTiming));
