@@ -175,6 +175,22 @@ void run_and_check(const Scenario& s) {
   check_scenario(s, dir.path());
 }
 
+// The scenario's ranks as threads of one (forked) process, one CUDA context; killed after 120 s.
+void run_and_check_as_threads(const Scenario& s) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
+    const auto thread_reports = harness::run_rank_threads(s.world, [&](int rank, Bootstrap& b) {
+      ranks_are_threads = true;
+      run_scenario_on_gpu(s, rank, b, dir.path());
+    }, kThreadRankTimeout);
+    for (int r = 0; r < s.world; ++r)
+      if (thread_reports[r] != "ok")
+        throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
+  }, gpu_ranks(dir, 120s)).reports;
+  ASSERT_EQ(reports[0], "ok");
+  check_scenario(s, dir.path());
+}
+
 ReduceOptions options(ReduceKind kind, float prescale, float postscale, bool accumulate) {
   ReduceOptions o;
   o.kind = kind, o.prescale = prescale, o.postscale = postscale, o.accumulate = accumulate;
@@ -328,22 +344,10 @@ TEST(CudaCollectives, E4M3AllGatherMatchesTheHost) {
       Scenario s{specs, 2, {{Collective::kAllGather, {}, 1, 71}, {Collective::kAllGather, {}, 1, 72}}, 2};
       s.delivery = delivery;
       SCOPED_TRACE(detail::concat(threads ? "threads " : "processes ", delivery_name(delivery)));
-      if (!threads) {
+      if (threads)
+        run_and_check_as_threads(s);
+      else
         run_and_check(s);
-        continue;
-      }
-      const harness::TempDir dir;
-      const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
-        const auto thread_reports = harness::run_rank_threads(2, [&](int rank, Bootstrap& b) {
-          ranks_are_threads = true;
-          run_scenario_on_gpu(s, rank, b, dir.path());
-        }, kThreadRankTimeout);
-        for (int r = 0; r < 2; ++r)
-          if (thread_reports[r] != "ok")
-            throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
-      }, gpu_ranks(dir, 120s)).reports;
-      ASSERT_EQ(reports[0], "ok");
-      check_scenario(s, dir.path());
     }
 }
 
@@ -365,18 +369,7 @@ TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
                  2};
       s.delivery = delivery;
       SCOPED_TRACE(detail::concat("W=", world, " ", delivery_name(delivery)));
-      const harness::TempDir dir;
-      const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
-        const auto thread_reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
-          ranks_are_threads = true;
-          run_scenario_on_gpu(s, rank, b, dir.path());
-        }, kThreadRankTimeout);
-        for (int r = 0; r < world; ++r)
-          if (thread_reports[r] != "ok")
-            throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
-      }, gpu_ranks(dir, 120s)).reports;
-      ASSERT_EQ(reports[0], "ok");
-      check_scenario(s, dir.path());
+      run_and_check_as_threads(s);
     }
   }
 }
