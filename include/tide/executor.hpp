@@ -18,6 +18,10 @@ namespace tide {
 struct Bindings {
   std::vector<const void*> inputs;
   std::vector<void*> outputs;
+  // Per param: the fp32 scale a cast of its input into a scaled dtype (kE4M3) multiplies by, read
+  // when the cast runs (on CUDA device memory, so a scale computed on the stream needs no sync);
+  // empty, or null for params without such a cast.
+  std::vector<const float*> scales = {};
 };
 
 // Every wait's bound. TIDE_TIMEOUT_MS overrides the default (120000 ms).

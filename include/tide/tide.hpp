@@ -38,9 +38,11 @@ class AllGather {
   // Bytes of window this collective needs per rank: create the window with at least this.
   std::size_t window_bytes() const { return program_.window_bytes; }
   // shards[i]: this rank's valid rows of param i (shard_dtype). Afterwards every rank's window holds
-  // every param whole, at layout.param(i).window_offset.
-  void run(Executor& executor, std::span<const void* const> shards) const {
-    executor.run(program_, Bindings{{shards.begin(), shards.end()}, {}});
+  // every param whole, at layout.param(i).window_offset. scales[i]: param i's fp32 scale where its
+  // dtype is e4m3 (each element is cast as e4m3(x * scale)), else null; empty without such params.
+  void run(Executor& executor, std::span<const void* const> shards,
+           std::span<const float* const> scales = {}) const {
+    executor.run(program_, Bindings{{shards.begin(), shards.end()}, {}, {scales.begin(), scales.end()}});
   }
 
  private:

@@ -55,10 +55,13 @@ std::chrono::milliseconds timeout_or_default(std::optional<int64_t> ms) {
   return std::chrono::milliseconds(*ms);
 }
 
-Bindings make_bindings(const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs) {
+// scales: per param the address of its fp32 scale, 0 for none (Bindings::scales); may be empty.
+Bindings make_bindings(const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs,
+                       const std::vector<uintptr_t>& scales) {
   Bindings b;
   for (uintptr_t p : inputs) b.inputs.push_back(reinterpret_cast<const void*>(p));
   for (uintptr_t p : outputs) b.outputs.push_back(reinterpret_cast<void*>(p));
+  for (uintptr_t p : scales) b.scales.push_back(reinterpret_cast<const float*>(p));
   return b;
 }
 
@@ -89,7 +92,8 @@ NB_MODULE(_tide, m) {
       .value("bf16", DType::kBF16)
       .value("fp16", DType::kFP16)
       .value("fp32", DType::kFP32)
-      .value("u8", DType::kU8);
+      .value("u8", DType::kU8)
+      .value("e4m3", DType::kE4M3);
   m.def("dtype_size", &dtype_size);
   m.def("parse_dtype", [](const std::string& s) { return parse_dtype(s); });
 
@@ -248,11 +252,12 @@ NB_MODULE(_tide, m) {
       .def_prop_ro("rank", &HostExecutor::rank)
       .def_prop_ro("world", &HostExecutor::world)
       .def("run", [](HostExecutor& e, const Program& p, const std::vector<uintptr_t>& inputs,
-                     const std::vector<uintptr_t>& outputs) {
-        Bindings b = make_bindings(inputs, outputs);
+                     const std::vector<uintptr_t>& outputs, const std::vector<uintptr_t>& scales) {
+        Bindings b = make_bindings(inputs, outputs, scales);
         nb::gil_scoped_release release;
         e.run(p, b);
-      }, "program"_a, "inputs"_a, "outputs"_a = std::vector<uintptr_t>{});
+      }, "program"_a, "inputs"_a, "outputs"_a = std::vector<uintptr_t>{},
+         "scales"_a = std::vector<uintptr_t>{});
 
 #if TIDE_WITH_CUDA
   m.attr("cuda_built") = true;
@@ -311,18 +316,20 @@ NB_MODULE(_tide, m) {
       .def_prop_ro("world", &CudaExecutor::world)
       .def("set_stream", [](CudaExecutor& e, uintptr_t s) { e.set_stream(reinterpret_cast<void*>(s)); })
       .def("run", [](CudaExecutor& e, const Program& p, const std::vector<uintptr_t>& inputs,
-                     const std::vector<uintptr_t>& outputs) {
-        Bindings b = make_bindings(inputs, outputs);
+                     const std::vector<uintptr_t>& outputs, const std::vector<uintptr_t>& scales) {
+        Bindings b = make_bindings(inputs, outputs, scales);
         nb::gil_scoped_release release;
         e.run(p, b);
-      }, "program"_a, "inputs"_a, "outputs"_a = std::vector<uintptr_t>{})
+      }, "program"_a, "inputs"_a, "outputs"_a = std::vector<uintptr_t>{},
+         "scales"_a = std::vector<uintptr_t>{})
       .def("prepare", &CudaExecutor::prepare, "program"_a)
       .def("run", [](CudaExecutor& e, PreparedProgram& p, const std::vector<uintptr_t>& inputs,
-                     const std::vector<uintptr_t>& outputs) {
-        Bindings b = make_bindings(inputs, outputs);
+                     const std::vector<uintptr_t>& outputs, const std::vector<uintptr_t>& scales) {
+        Bindings b = make_bindings(inputs, outputs, scales);
         nb::gil_scoped_release release;
         e.run(p, b);
-      }, "program"_a, "inputs"_a, "outputs"_a = std::vector<uintptr_t>{})
+      }, "program"_a, "inputs"_a, "outputs"_a = std::vector<uintptr_t>{},
+         "scales"_a = std::vector<uintptr_t>{})
       .def("synchronize", &CudaExecutor::synchronize, nb::call_guard<nb::gil_scoped_release>())
       .def("enable_stats", &CudaExecutor::enable_stats)
       .def("stats", &CudaExecutor::stats, nb::call_guard<nb::gil_scoped_release>())

@@ -88,14 +88,26 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
           "bf16, fp16 or fp32");
     return true;
   };
-  // A cast's types: floats, or u8 bytes copied as they are (u8 to u8, never to or from a float).
-  auto check_cast_dtypes = [&](std::size_t i, DType src, DType dst) -> bool {
+  // A cast's types: floats, u8 bytes copied as they are (u8 to u8, never to or from a float), or
+  // a float into e4m3, scaled by its param's bound scale.
+  auto check_cast_dtypes = [&](std::size_t i, const CastOp& cast) -> bool {
+    const DType src = cast.src_dtype, dst = cast.dst_dtype;
     CHECK(known_dtype(src), detail::concat("steps[", i, "].src_dtype"), static_cast<int>(src),
           "bf16, fp16, fp32 or u8");
-    CHECK(known_dtype(dst), detail::concat("steps[", i, "].dst_dtype"), static_cast<int>(dst),
-          "bf16, fp16, fp32 or u8");
-    CHECK(is_float(src) == is_float(dst), detail::concat("steps[", i, "].dst_dtype"), dtype_name(dst),
-          detail::concat(is_float(src) ? "a float" : "u8", " for a ", dtype_name(src), " source"));
+    CHECK(known_dtype(dst) || is_scaled(dst), detail::concat("steps[", i, "].dst_dtype"),
+          static_cast<int>(dst), "bf16, fp16, fp32, u8 or e4m3");
+    CHECK(is_float(src) == (is_float(dst) || is_scaled(dst)), detail::concat("steps[", i, "].dst_dtype"),
+          dtype_name(dst),
+          detail::concat(is_float(src) ? "a float or e4m3" : "u8", " for a ", dtype_name(src), " source"));
+    if (is_scaled(dst)) {
+      CHECK(cast.src.space == Space::kInput, detail::concat("steps[", i, "].src"), "not an input",
+            detail::concat("an input (a ", dtype_name(dst), " cast scales its param's input)"));
+      const int param = cast.src.index;
+      CHECK(param >= 0 && static_cast<std::size_t>(param) < bindings.scales.size() &&
+                bindings.scales[param] != nullptr,
+            detail::concat("scales[", param, "]"), "missing",
+            detail::concat("the fp32 scale of the ", dtype_name(dst), " cast at steps[", i, "]"));
+    }
     return true;
   };
   auto check_peer = [&](std::size_t i, int peer, FlagKind kind) -> bool {
@@ -114,7 +126,7 @@ bool check_steps(const Program& program, const Bindings& bindings, int rank, int
           "an operation");
     if (const auto* cast = std::get_if<CastOp>(&step.op)) {
       if (!check_count(i, "count", cast->count) || !check_count(i, "pad", cast->pad) ||
-          !check_count(i, "rows", cast->rows) || !check_cast_dtypes(i, cast->src_dtype, cast->dst_dtype))
+          !check_count(i, "rows", cast->rows) || !check_cast_dtypes(i, *cast))
         return false;
       CHECK(cast->dst.space == Space::kWindow, detail::concat("steps[", i, "].dst"),
             "an input or output", "a window (own, or a peer's with Delivery::kCastToPeers)");

@@ -64,14 +64,15 @@ BucketLayout::BucketLayout(std::vector<ParamSpec> specs, Topology topology, std:
                      shape_string(spec.shape), "fewer than 2^40 elements");
       product *= spec.shape[k];
     }
-    auto known = [](DType d) { return is_float(d) || d == DType::kU8; };
+    auto known = [](DType d) { return is_float(d) || d == DType::kU8 || d == DType::kE4M3; };
     TIDE_CHECK_ARG(known(spec.dtype), where, "dtype", static_cast<int>(spec.dtype),
-                   "bf16, fp16, fp32 or u8");
+                   "bf16, fp16, fp32, u8 or e4m3");
     TIDE_CHECK_ARG(known(spec.shard_dtype), where, "shard_dtype", static_cast<int>(spec.shard_dtype),
                    "bf16, fp16, fp32 or u8");
-    // Bytes are copied, never cast: a u8 param's shard is u8 too (and a float's is a float).
-    TIDE_CHECK_ARG(is_float(spec.dtype) == is_float(spec.shard_dtype), where, "shard_dtype",
-                   dtype_name(spec.shard_dtype),
+    // Bytes are copied, never cast: a u8 param's shard is u8 too. A float's or an e4m3's shard is a
+    // float (an e4m3 param is cast from its float shard, scaled).
+    TIDE_CHECK_ARG(spec.dtype == DType::kU8 ? spec.shard_dtype == DType::kU8 : is_float(spec.shard_dtype),
+                   where, "shard_dtype", dtype_name(spec.shard_dtype),
                    detail::concat(spec.dtype == DType::kU8 ? "u8" : "bf16, fp16 or fp32",
                                   " for a ", dtype_name(spec.dtype), " param"));
     ParamLayout p;

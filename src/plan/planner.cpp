@@ -152,7 +152,7 @@ void check_reduce_options(const BucketLayout& layout, const ReduceOptions& optio
                  options.postscale, "a finite number");
   for (const ParamLayout& p : layout.params()) {
     TIDE_CHECK_ARG(is_float(p.dtype), "plan_reduce_scatter", detail::concat("param '", p.name, "' dtype"),
-                   dtype_name(p.dtype), "bf16, fp16 or fp32 (u8 bytes are gathered, never reduced)");
+                   dtype_name(p.dtype), "bf16, fp16 or fp32 (u8 bytes and e4m3 casts are gathered, never reduced)");
     TIDE_CHECK_ARG(p.shard_dtype == DType::kFP32 || p.shard_dtype == p.dtype,
                    "plan_reduce_scatter", detail::concat("param '", p.name, "' shard_dtype"),
                    dtype_name(p.shard_dtype),

@@ -97,5 +97,56 @@ TEST(DType, Fp16MatchesCompilerConversion) {
   }
 }
 
+// Reference: the nearest e4m3 magnitude to |f| by distance in double over all of them, ties to the
+// even encoding; beyond 448 the largest (saturation); f's sign.
+uint8_t e4m3_reference(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  if (std::fabs(f) >= 448.0f) return sign | 0x7E;
+  uint8_t best = 0;
+  double best_distance = INFINITY;
+  for (uint8_t m = 0; m <= 0x7E; ++m) {
+    const double d = std::fabs(double(e4m3_to_float(m)) - std::fabs(double(f)));
+    if (d < best_distance || (d == best_distance && (m & 1) == 0)) best = m, best_distance = d;
+  }
+  return sign | best;
+}
+
+TEST(DType, E4M3IsAScaledCastDestination) {
+  EXPECT_EQ(dtype_size(DType::kE4M3), 1u);
+  EXPECT_EQ(parse_dtype(dtype_name(DType::kE4M3)), DType::kE4M3);
+  EXPECT_EQ(parse_dtype("float8_e4m3fn"), DType::kE4M3);
+  EXPECT_FALSE(is_float(DType::kE4M3));  // never reduced, never a cast's source
+  EXPECT_TRUE(is_scaled(DType::kE4M3));
+  for (DType d : {DType::kBF16, DType::kFP16, DType::kFP32, DType::kU8}) EXPECT_FALSE(is_scaled(d));
+}
+
+TEST(DType, E4M3RoundsToNearestEvenAndSaturates) {
+  for (int b = 0; b < 256; ++b) {  // every finite encoding decodes and round-trips
+    const float f = e4m3_to_float(static_cast<uint8_t>(b));
+    if ((b & 0x7F) == 0x7F) {
+      ASSERT_TRUE(std::isnan(f)) << b;
+      continue;
+    }
+    ASSERT_EQ(float_to_e4m3(f), b) << "bits " << b;
+  }
+  EXPECT_EQ(e4m3_to_float(0x7E), 448.0f);
+  EXPECT_EQ(e4m3_to_float(0x01), 1.0f / 512);  // the smallest subnormal
+  EXPECT_EQ(e4m3_to_float(0x08), 1.0f / 64);   // the smallest normal
+  EXPECT_EQ(float_to_e4m3(449.0f), 0x7E);
+  EXPECT_EQ(float_to_e4m3(1e30f), 0x7E);
+  EXPECT_EQ(float_to_e4m3(-INFINITY), 0xFE);
+  EXPECT_EQ(float_to_e4m3(NAN) & 0x7F, 0x7F);
+  EXPECT_EQ(float_to_e4m3(1.0f / 1024), 0x00);      // half the smallest subnormal: ties to even (0)
+  EXPECT_EQ(float_to_e4m3(3.0f / 1024), 0x02);      // 1.5 subnormal units: ties to even (2)
+  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);          // halfway between 1 and 1.125: to 1 (even)
+  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3A);          // halfway between 1.125 and 1.25: to 1.25
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> wide(-500.f, 500.f), small(-0.05f, 0.05f);
+  for (int n = 0; n < 200000; ++n) {
+    const float f = (n & 1) ? wide(rng) : small(rng);
+    ASSERT_EQ(float_to_e4m3(f), e4m3_reference(f)) << "f = " << f;
+  }
+}
+
 }  // namespace
 }  // namespace tide

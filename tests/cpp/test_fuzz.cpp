@@ -161,9 +161,9 @@ std::string inject_layout_fault(Rng& rng, LayoutCase& c) {
                 {1, INT64_MAX}, {2, 1 << 20, 1 << 20}, {INT64_MAX, INT64_MAX}});
       return "shape";
     }
-    case 7: c.specs[rng() % c.specs.size()].dtype = static_cast<DType>(uniform(rng, 4, 255));
+    case 7: c.specs[rng() % c.specs.size()].dtype = static_cast<DType>(uniform(rng, 5, 255));
       return "dtype";
-    case 8: c.specs[rng() % c.specs.size()].shard_dtype = static_cast<DType>(uniform(rng, 4, 255));
+    case 8: c.specs[rng() % c.specs.size()].shard_dtype = static_cast<DType>(uniform(rng, 5, 255));
       return "shard_dtype";
     default:  // a window over 2^48 B per rank: W = 2^20 ranks of a 2^39-element row each
       c.topology = {1024, 1024};
@@ -437,8 +437,8 @@ std::string corrupt_step(Rng& rng, RunCase& c) {
     switch (rng() % 7) {
       case 0: cast->count = pick<int64_t>(rng, {-1, INT64_MIN, (int64_t{1} << 48) + 1}); return at + ".count";
       case 1: cast->pad = pick<int64_t>(rng, {-1, INT64_MIN, INT64_MAX}); return at + ".pad";
-      case 2: cast->src_dtype = static_cast<DType>(uniform(rng, 4, 255)); return at + ".src_dtype";
-      case 3: cast->dst_dtype = static_cast<DType>(uniform(rng, 4, 255)); return at + ".dst_dtype";
+      case 2: cast->src_dtype = static_cast<DType>(uniform(rng, 5, 255)); return at + ".src_dtype";
+      case 3: cast->dst_dtype = static_cast<DType>(uniform(rng, 5, 255)); return at + ".dst_dtype";
       case 4:  // any rank's window is a cast's to write (Delivery::kCastToPeers); no other buffer
         if (chance(rng, 0.5)) {
           cast->dst.index = bad_rank();
@@ -464,8 +464,8 @@ std::string corrupt_step(Rng& rng, RunCase& c) {
   auto& reduce = std::get<ReduceOp>(step.op);
   switch (rng() % 7) {
     case 0: reduce.count = pick<int64_t>(rng, {-1, INT64_MIN, INT64_MAX}); return at + ".count";
-    case 1: reduce.src_dtype = static_cast<DType>(uniform(rng, 4, 255)); return at + ".src_dtype";
-    case 2: reduce.dst_dtype = static_cast<DType>(uniform(rng, 4, 255)); return at + ".dst_dtype";
+    case 1: reduce.src_dtype = static_cast<DType>(uniform(rng, 5, 255)); return at + ".src_dtype";
+    case 2: reduce.dst_dtype = static_cast<DType>(uniform(rng, 5, 255)); return at + ".dst_dtype";
     case 3: reduce.param = pick<int>(rng, {-1, c.program.num_params, INT_MAX}); return at + ".param";
     case 4:
       if (chance(rng, 0.5)) reduce.sources.pop_back(); else reduce.sources.push_back(reduce.sources[0]);

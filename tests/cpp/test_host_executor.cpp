@@ -165,6 +165,62 @@ TEST(HostExecutor, TwoBucketsShareOnePoolWindow) {
   });
 }
 
+// torchao's float8 all-gather, cast by TIDE: an e4m3 param is cast from its fp32 or bf16 shard as
+// e4m3(x * scale), its bound scale, saturated; every rank's window holds the same bytes. Its
+// neighbour in the bucket is a plain param. Both deliveries; W = 2 and 3 (3: padded shards).
+TEST(HostExecutor, E4M3ParamsAreCastWithTheirScaleIntoEveryWindow) {
+  for (const int world : {2, 3})
+    for (const DType shard_dtype : {DType::kFP32, DType::kBF16})
+      for (const Delivery delivery : {Delivery::kPush, Delivery::kCastToPeers}) {
+        SCOPED_TRACE(detail::concat("W = ", world, ", ", dtype_name(shard_dtype), ", ", delivery_name(delivery)));
+        const BucketLayout layout({{"w", {7, 24}, DType::kE4M3, shard_dtype}, {"b", {7}, DType::kBF16, DType::kFP32}},
+                                  Topology::single_node(world));
+        const ParamLayout& w = layout.param(0);
+        const float scale = 37.25f;  // a product that rounds, values past 448 that saturate
+        auto value = [](int64_t global) { return std::sin(0.7f * float(global)) * 13.0f; };
+        std::vector<uint8_t> expected(w.slot_bytes() * world, 0);
+        for (int r = 0; r < world; ++r)
+          for (int64_t k = 0; k < w.valid_numel(r); ++k) {
+            const float x = value(r * w.shard_numel + k);
+            const float rounded = shard_dtype == DType::kBF16 ? bf16_to_float(float_to_bf16(x)) : x;
+            expected[r * w.slot_bytes() + k] = float_to_e4m3(rounded * scale);
+          }
+        harness::run_rank_threads_or_throw(world, [&](int rank, Bootstrap& bootstrap) {
+          auto window = HostWindow::create(bootstrap, layout.window_bytes());
+          HostExecutor executor(*window, std::chrono::milliseconds(20000));
+          Buffer shard(shard_dtype, w.valid_numel(rank));
+          for (int64_t k = 0; k < w.valid_numel(rank); ++k)
+            store_from_float(shard.data(), shard_dtype, k, value(rank * w.shard_numel + k));
+          Buffer bias = test::ag_shard(layout.param(1), 1, rank, 5);
+          const std::vector<const void*> shards = {shard.data(), bias.data()};
+          const std::vector<const float*> scales = {&scale, nullptr};
+          std::memset(window->data(rank), 0xA5, layout.window_bytes());
+          AllGather(layout, rank, 1, {}, delivery).run(executor, shards, scales);
+          ASSERT_EQ(std::memcmp(window->data(rank) + w.window_offset, expected.data(), expected.size()), 0);
+          const auto bias_expected = test::ag_expected(layout.param(1), 1, world, 5);
+          ASSERT_EQ(std::memcmp(window->data(rank) + layout.param(1).window_offset, bias_expected.data(),
+                                bias_expected.size()), 0);
+          // Without its scale the run is refused before anything moves, naming what is missing.
+          try {
+            AllGather(layout, rank, 2, {}, delivery).run(executor, shards);
+            ADD_FAILURE() << "an e4m3 cast ran without its scale";
+          } catch (const InvalidArgument& e) {
+            EXPECT_NE(std::string(e.what()).find("scales[0]"), std::string::npos) << e.what();
+          }
+        });
+      }
+}
+
+TEST(HostExecutor, E4M3ParamsAreNotReduced) {
+  const BucketLayout layout({{"w", {8, 8}, DType::kE4M3, DType::kFP32}}, Topology::single_node(2));
+  try {
+    plan_reduce_scatter(layout, 0, {});
+    FAIL() << "an e4m3 param was planned for a reduce-scatter";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("e4m3"), std::string::npos) << e.what();
+  }
+}
+
 TEST(HostExecutor, MissingPeerTimesOutNamingRankBucketPhaseEpoch) {
   const int world = 3;
   BucketLayout layout({{"w", {6, 2}}}, Topology::single_node(world));

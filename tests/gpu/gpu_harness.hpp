@@ -135,10 +135,12 @@ struct Scenario {
 };
 
 // Per rank, the inputs of one invocation (AG: valid shard rows in shard_dtype; RS: the full
-// gradient in dtype) and the outputs' prior contents (RS).
+// gradient in dtype), the outputs' prior contents (RS), and per param the scale of an e4m3 cast
+// (AG; 0 for other params).
 struct RankData {
   std::vector<std::vector<std::byte>> inputs;
   std::vector<std::vector<std::byte>> outputs;
+  std::vector<float> scales;
 };
 
 inline RankData make_rank_data(const BucketLayout& layout, const Invocation& inv, int rank) {
@@ -147,6 +149,9 @@ inline RankData make_rank_data(const BucketLayout& layout, const Invocation& inv
     const ParamLayout& p = layout.param(i);
     if (inv.collective == Collective::kAllGather) {
       d.inputs.push_back(make_values(p.shard_dtype, p.valid_numel(rank), inv.seed, int(i), rank));
+      // Scales that round the products and saturate the largest of them (every rank the same,
+      // as an all-reduced amax makes them).
+      d.scales.push_back(is_scaled(p.dtype) ? 250.0f + 13.0f * float(i) + float(inv.seed % 7) : 0.0f);
     } else {
       d.inputs.push_back(make_values(p.dtype, p.numel(), inv.seed, int(i), rank));
       d.outputs.push_back(
@@ -204,6 +209,7 @@ inline std::vector<std::vector<std::vector<std::byte>>> host_reference(const Sce
       Bindings b;
       for (auto& in : d.inputs) b.inputs.push_back(in.data());
       for (auto& out : d.outputs) b.outputs.push_back(out.data());
+      for (const float& scale : d.scales) b.scales.push_back(scale != 0.0f ? &scale : nullptr);
       executor.run(plan(s, layout, inv, rank), b);
       captures[rank].push_back(inv.collective == Collective::kAllGather
                                    ? capture_window(layout, window->data(rank))
@@ -266,6 +272,8 @@ inline double unit_roundoff(DType dtype) {
     case DType::kFP32: return std::ldexp(1.0, -24);
     case DType::kFP16: return std::ldexp(1.0, -11);
     case DType::kBF16: return std::ldexp(1.0, -8);
+    case DType::kU8:
+    case DType::kE4M3: break;  // never a reduce-scatter's result
   }
   return 0;
 }

@@ -49,10 +49,14 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
   const BucketLayout layout = s.layout();
   std::vector<RankData> data;
   std::vector<std::vector<DeviceBuffer>> inputs(s.sequence.size()), outputs(s.sequence.size());
+  std::vector<DeviceBuffer> scales;  // per invocation, its params' scales
   for (std::size_t j = 0; j < s.sequence.size(); ++j) {
     data.push_back(make_rank_data(layout, s.sequence[j], rank));
     for (auto& in : data[j].inputs) inputs[j].emplace_back(in.size());
     for (auto& out : data[j].outputs) outputs[j].emplace_back(out.size());
+    scales.emplace_back(std::max<std::size_t>(data[j].scales.size(), 1) * sizeof(float));
+    CHECK_CUDA(cudaMemcpy(scales[j].ptr, data[j].scales.data(), data[j].scales.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
   }
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -83,6 +87,8 @@ void run_scenario_on_gpu(const Scenario& s, int rank, Bootstrap& bootstrap, cons
             CHECK_CUDA(cudaMemsetAsync(outputs[j][i].ptr, 0x77, d.outputs[i].size(), stream));
           bindings.outputs.push_back(outputs[j][i].ptr);
         }
+        for (std::size_t i = 0; i < d.scales.size(); ++i)
+          bindings.scales.push_back(d.scales[i] != 0.0f ? static_cast<const float*>(scales[j].ptr) + i : nullptr);
         // Ranks as threads: no pageable copy while a peer's stream waits. A pageable copy blocks
         // its thread inside the driver until its stream gets there, and (as seen on an H200,
         // mechanism unconfirmed) another thread's pageable copy then waits for it, so a rank that
@@ -166,6 +172,22 @@ void run_and_check(const Scenario& s) {
     run_scenario_on_gpu(s, rank, b, dir.path());
   }, gpu_ranks(dir)).reports;
   for (int r = 0; r < s.world; ++r) ASSERT_EQ(reports[r], "ok") << "rank " << r;
+  check_scenario(s, dir.path());
+}
+
+// The scenario's ranks as threads of one (forked) process, one CUDA context; killed after 120 s.
+void run_and_check_as_threads(const Scenario& s) {
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
+    const auto thread_reports = harness::run_rank_threads(s.world, [&](int rank, Bootstrap& b) {
+      ranks_are_threads = true;
+      run_scenario_on_gpu(s, rank, b, dir.path());
+    }, kThreadRankTimeout);
+    for (int r = 0; r < s.world; ++r)
+      if (thread_reports[r] != "ok")
+        throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
+  }, gpu_ranks(dir, 120s)).reports;
+  ASSERT_EQ(reports[0], "ok");
   check_scenario(s, dir.path());
 }
 
@@ -308,6 +330,27 @@ TEST(CudaKernels, SingleRankCastAndReduce) {
   run_and_check(s);
 }
 
+// torchao's float8 all-gather cast by TIDE: e4m3 params cast from fp32 and bf16 shards with their
+// scales (vector and scalar paths, padded shards), beside plain params; both deliveries, ranks as
+// processes and as threads (the cast-to-peers kernel): bitwise the host executor's.
+TEST(CudaCollectives, E4M3AllGatherMatchesTheHost) {
+  TIDE_REQUIRE_GPU();
+  const std::vector<ParamSpec> specs = {
+      {"w", {64, 96}, DType::kE4M3, DType::kFP32},   {"odd", {37, 5}, DType::kE4M3, DType::kBF16},
+      {"b", {96}, DType::kBF16, DType::kFP32},       {"v", {1000, 24}, DType::kE4M3, DType::kBF16},
+  };
+  for (const bool threads : {false, true})
+    for (const Delivery delivery : kDeliveries) {
+      Scenario s{specs, 2, {{Collective::kAllGather, {}, 1, 71}, {Collective::kAllGather, {}, 1, 72}}, 2};
+      s.delivery = delivery;
+      SCOPED_TRACE(detail::concat(threads ? "threads " : "processes ", delivery_name(delivery)));
+      if (threads)
+        run_and_check_as_threads(s);
+      else
+        run_and_check(s);
+    }
+}
+
 // Ranks as threads of one process share a CUDA context (their windows are used directly, not
 // through IPC). This hung on the H200 until CudaExecutor preloaded its kernels: under lazy module
 // loading a kernel's first launch waited for the whole context while another thread's stream sat
@@ -326,18 +369,7 @@ TEST(CudaCollectives, RanksAsThreadsOfOneProcess) {
                  2};
       s.delivery = delivery;
       SCOPED_TRACE(detail::concat("W=", world, " ", delivery_name(delivery)));
-      const harness::TempDir dir;
-      const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
-        const auto thread_reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
-          ranks_are_threads = true;
-          run_scenario_on_gpu(s, rank, b, dir.path());
-        }, kThreadRankTimeout);
-        for (int r = 0; r < world; ++r)
-          if (thread_reports[r] != "ok")
-            throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
-      }, gpu_ranks(dir, 120s)).reports;
-      ASSERT_EQ(reports[0], "ok");
-      check_scenario(s, dir.path());
+      run_and_check_as_threads(s);
     }
   }
 }
@@ -924,6 +956,40 @@ TEST(CudaCollectives, PreparedProgramRunsOnItsOwnExecutorOnly) {
   EXPECT_EQ(reports[0].rfind("InvalidArgument: CudaExecutor::run: prepared = a program prepared by "
                              "another executor", 0), 0u)
       << reports[0];
+}
+
+// A prepared e4m3 all-gather reused on the same pointers skips the run's checks, but not its
+// scale: a run without one is refused before anything is enqueued, naming it.
+TEST(CudaCollectives, ReusedE4M3ProgramStillNeedsItsScale) {
+  TIDE_REQUIRE_GPU();
+  const BucketLayout layout({{"w", {64, 8}, DType::kE4M3, DType::kFP32}}, Topology::single_node(1));
+  const harness::TempDir dir;
+  const auto reports = harness::run_rank_processes(1, [&](int rank, Bootstrap& b) {
+    select_device(rank);
+    auto window = CudaWindow::create(b, layout.window_bytes());
+    DeviceBuffer shard(64 * 8 * 4), scale(4);
+    CHECK_CUDA(cudaMemset(shard.ptr, 0, 64 * 8 * 4));
+    CHECK_CUDA(cudaMemset(scale.ptr, 0, 4));
+    cudaStream_t stream = nullptr;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::string outcome = "no error";
+    {
+      CudaExecutor executor(*window, stream, 1000ms);
+      const auto prepared = executor.prepare(plan_all_gather(layout, 0));
+      Bindings bound{{shard.ptr}, {}, {static_cast<const float*>(scale.ptr)}};
+      executor.run(*prepared, bound);
+      bound.scales.clear();
+      try {
+        executor.run(*prepared, bound);
+      } catch (const InvalidArgument& e) {
+        outcome = e.what();
+      }
+      executor.synchronize();
+    }
+    CHECK_CUDA(cudaStreamDestroy(stream));
+    return outcome;
+  }, gpu_ranks(dir)).reports;
+  EXPECT_NE(reports[0].find("scales[0]"), std::string::npos) << reports[0];
 }
 
 // One stuck-wait rank, in a process or a thread: rank 0 waits for data_ready from ranks 1 and 2;

@@ -193,15 +193,16 @@ def test_host_cost_code_runs_on_cpu_handled_and_without_remaps_after_warmup():
     from tide.bench.host_cost_bench import run_host_cost
     from tide.bench.launch import run_ranks
 
-    layers, steps = 6, 2
-    results = run_ranks(2, "cpu", run_host_cost, {"layers": layers, "steps": steps, "warmup": 1, "device": "cpu"})
+    layers, linears, steps = 6, 3, 2
+    results = run_ranks(2, "cpu", run_host_cost, {"layers": layers, "linears": linears, "steps": steps,
+                                                  "warmup": 1, "device": "cpu"})
     for r in results:
         assert r["groups"] == layers and r["steps"] == steps, r
         assert r["tide_all_gathers"] == 2 * layers * steps, r  # forward and backward, timed steps only
         assert r["tide_remaps"] == 0, r  # each group finds its window mapped after the first step
         assert r["stock_ms"] > 0 and r["tide_ms"] > 0, r
     table = report.host_cost_table(results, shares_gpu=False)
-    assert f"{layers} param groups" in table and "0.0 times per timed step (12 all-gathers" in table, table
+    assert f"{layers} param groups of {linears} Linear(64) each ({2 * linears} params)" in table and "0.0 times per timed step (12 all-gathers" in table, table
 
 
 def test_fsdp_cpu_float8_groups_gather_fp8_in_place_and_bitwise(tmp_path, capsys):
@@ -217,6 +218,7 @@ def test_fsdp_cpu_float8_groups_gather_fp8_in_place_and_bitwise(tmp_path, capsys
     assert data["float8"] is True
     assert t["tide_buckets"] == t["param_groups"] and t["tide_fallbacks"] == [], t
     assert t["tide_extension_groups"] >= 1, t
+    assert t["tide_float8_casts"] >= 2, t  # the float8 weights' e4m3 bytes cast by TIDE
     assert 0 < t["tide_gather_bytes"] < t["tide_param_bytes"], t
     assert data["stock"]["layout_copy_mib"] > 0 and t["layout_copy_mib"] == 0
     assert data["max_abs_diff"] == 0.0

@@ -97,8 +97,11 @@ def train_float8(model, precompute: bool, steps=3):
 
 
 def _summary(handle, ops) -> dict:
+    gathers = [b.gather for b in handle.buckets if b.gather is not None]
     return {"buckets": len(handle.buckets), "fallbacks": list(handle.fallbacks), "counts": handle.counts(),
-            "ops": dict(ops), "extension_buckets": sum(b.gather is not None for b in handle.buckets)}
+            "ops": dict(ops), "extension_buckets": len(gathers),
+            # float8 weights whose e4m3 bytes TIDE's cast wrote (no fsdp_pre_all_gather tensor)
+            "tide_casts": sum(why == "" for g in gathers for why in g.why_not_cast)}
 
 
 def _with_tide(model, train, **kwargs):
@@ -375,6 +378,29 @@ def scenario_float8_stock_on(**fsdp_kwargs) -> dict:
     return {"tide": tide_on, "vs_stock_on": _equal(on, stock_on)}
 
 
+def scenario_float8_cast_checked() -> dict:
+    """TIDE's e4m3 bytes made with another scale than torchao's (a fault put in on purpose): the
+    first all-gather's comparison with torchao's own cast must raise, on every rank."""
+    from tide.fsdp import _float8
+    right = _float8.scale
+    _float8.scale = lambda fp: right(fp) * 2
+    model = build_float8(True)
+    handle = tide.fsdp.enable(model, timeout_ms=60000)
+    try:
+        model(torch.randn(4, IN)).sum().backward()
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        _float8.scale = right
+    casts = _summary(handle, {})["tide_casts"]
+    try:
+        tide.fsdp.disable(model)
+    except ValueError:
+        pass
+    return {"error_text": error, "tide_casts": casts}
+
+
 SCENARIOS = {
     "float8_dynamic": (lambda: scenario_float8(False), (2, 3), True),
     "float8_precomputed": (lambda: scenario_float8(True), (2, 3), True),
@@ -389,6 +415,7 @@ SCENARIOS = {
     "split_v2": (lambda: scenario_split(2), (2,), False),
     "two_tensor": (scenario_two_tensor, (2,), False),
     "monkey_patched": (scenario_monkey_patched, (2,), False),
+    "float8_cast_checked": (scenario_float8_cast_checked, (2,), True),  # last: leaves a broken step
 }
 
 
@@ -448,6 +475,7 @@ def handled_ranks(world: int, case: str, groups: int, extension_groups: int) -> 
 def test_float8_all_gather_is_handled_and_bitwise_equal_to_it_off(world, scale):
     for rank, r in handled_ranks(world, f"float8_{scale}", groups=3, extension_groups=2):
         _assert_handled({"tide": r["tide_off"]}, groups=3, extension_groups=0)
+        assert r["tide"]["tide_casts"] == 4, r["tide"]  # every float8 weight cast by TIDE
         # fp8 bytes: the float8 weights' all-gather moves a quarter of fp32's
         assert r["tide"]["counts"]["all_gather_bytes"] < r["tide_off"]["counts"]["all_gather_bytes"]
         assert r["vs_tide_off"], f"rank {rank}: fp8 all-gather on differs from off (both TIDE)"
@@ -456,10 +484,18 @@ def test_float8_all_gather_is_handled_and_bitwise_equal_to_it_off(world, scale):
 
 
 @needs_torchao
+def test_float8_cast_differing_from_torchao_raises_on_every_rank():
+    for rank, r in enumerate(results(2)["float8_cast_checked"]):
+        assert r.get("tide_casts") == 4, f"rank {rank}: {r}"
+        assert "float8 cast differs from torchao's own" in r["error_text"], f"rank {rank}: {r}"
+
+
+@needs_torchao
 def test_float8_groups_of_float8_weights_alone():
     """Groups holding float8 weights alone all-gather fp8 inputs only: gloo has no fp8, so stock
     FSDP2 cannot run this on CPU ("Invalid scalar type"); TIDE's host transport moves the bytes."""
     for rank, r in handled_ranks(2, "float8_only_groups", groups=5, extension_groups=2):
+        assert r["tide"]["tide_casts"] == 4, r["tide"]
         assert r["vs_tide_off"] and r["vs_stock_off"], f"rank {rank}: {r}"
 
 
@@ -469,6 +505,7 @@ def test_float8_matches_stock_with_fp8_all_gather_on(case):
     """bf16 params (fp32 reduce) and reshard_after_forward=False: bitwise equal to stock FSDP2
     with fp8 all-gather on (W = 2)."""
     for rank, r in handled_ranks(2, f"float8_{case}", groups=3, extension_groups=2):
+        assert r["tide"]["tide_casts"] == 4, r["tide"]
         assert r["vs_stock_on"], f"rank {rank}: differs from stock FSDP2 with fp8 all-gather on"
 
 
@@ -476,6 +513,7 @@ def test_float8_matches_stock_with_fp8_all_gather_on(case):
 def test_float8_across_virtual_nodes():
     """W = 4 as 2 nodes of 2: the fp8 bytes go through TIDE's across-node all-gather."""
     for rank, r in handled_ranks(4, "float8_virtual_nodes", groups=3, extension_groups=2):
+        assert r["tide"]["tide_casts"] == 4, r["tide"]
         assert r["vs_tide_off"], f"rank {rank}: fp8 all-gather on differs from off (both TIDE)"
 
 

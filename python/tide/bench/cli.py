@@ -162,7 +162,7 @@ def _fsdp(args, parser, device) -> int:
         out["shard_dim_copy_mib"] = runs[0]["shard_dim_copy_bytes"] / MIB
         for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_fallback_groups",
                   "param_groups", "ranks_share_gpus", "tide_step_all_gather_bytes", "tide_gather_bytes",
-                  "tide_param_bytes", "tide_extension_groups"):
+                  "tide_param_bytes", "tide_extension_groups", "tide_float8_casts"):
             out[k] = runs[0][k]
         out["tide_window_mib"] = max(r["tide_window_mib"] for r in runs)
         pss = [r.get("peak_pss_mib") for r in runs]
@@ -185,7 +185,7 @@ def _fsdp(args, parser, device) -> int:
         t = summary["tide"]
         print(f"float8 (torchao, fp8 all-gather on under TIDE, off under stock): TIDE handled "
               f"{t['tide_buckets']}/{t['param_groups']} groups, {t['tide_extension_groups']} with float8 "
-              f"weights; one all-gather of every group: {t['tide_gather_bytes'] / MIB:.2f} MiB as gathered "
+              f"weights, {t['tide_float8_casts']} of them cast by TIDE into its window; one all-gather of every group: {t['tide_gather_bytes'] / MIB:.2f} MiB as gathered "
               f"vs {t['tide_param_bytes'] / MIB:.2f} MiB in the params' {mp} "
               f"({t['tide_gather_bytes'] / max(t['tide_param_bytes'], 1):.2f}x); all-gather bytes in one "
               f"step {t['tide_step_all_gather_bytes'] / MIB:.2f} MiB; layout copies "

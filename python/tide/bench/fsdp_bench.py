@@ -322,6 +322,9 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
         "tide_param_bytes": sum(b.layout.world * p.slot_bytes for b in handle.buckets
                                 for p in b.layout.params) if handle else 0,
         "tide_extension_groups": sum(b.gather is not None for b in handle.buckets) if handle else 0,
+        # float8 weights whose e4m3 bytes TIDE's all-gather cast (no fsdp_pre_all_gather tensor)
+        "tide_float8_casts": sum(why == "" for b in handle.buckets if b.gather is not None
+                                 for why in b.gather.why_not_cast) if handle else 0,
         "params": params,
     }
     return result

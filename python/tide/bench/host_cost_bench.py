@@ -86,6 +86,6 @@ def run_host_cost(rank: int, world: int, opts: dict) -> dict:
     if handle.fallbacks or groups != opts["layers"]:
         raise RuntimeError(f"tide-bench host-cost: TIDE handled {len(handle.buckets)} of {groups} param "
                            f"groups (fallbacks: {handle.fallbacks}); the TIDE column would be stock")
-    return {"groups": groups, "stock_ms": statistics.median(stock), "tide_ms": statistics.median(mine),
+    return {"groups": groups, "linears": opts.get("linears", 2), "stock_ms": statistics.median(stock), "tide_ms": statistics.median(mine),
             "tide_all_gathers": counts["all_gathers"], "tide_remaps": counts["remaps"],
             "steps": opts["steps"]}

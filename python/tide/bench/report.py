@@ -181,7 +181,8 @@ def host_cost_table(results: list, shares_gpu: bool) -> str:
     mine = max(r["tide_ms"] for r in results)
     where = "ranks sharing one GPU" if shares_gpu else "one rank per GPU"
     return "\n".join([
-        f"# tide-bench host-cost: {groups} param groups of 2 Linear({64}) each, {len(results)} ranks "
+        f"# tide-bench host-cost: {groups} param groups of {results[0]['linears']} Linear(64) each "
+        f"({2 * results[0]['linears']} params), {len(results)} ranks "
         f"({where}); host time of forward + backward, median of the slowest rank",
         f"{'':<34} {'ms/step':>9} {'us/group':>9}",
         f"{'stock FSDP2 (no-op collectives)':<34} {stock:>9.2f} {1000 * stock / groups:>9.1f}",

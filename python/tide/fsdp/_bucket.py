@@ -21,8 +21,10 @@ if TYPE_CHECKING:  # _extension imports this module
 
 TORCH_TO_TIDE = {torch.bfloat16: _tide.DType.bf16, torch.float16: _tide.DType.fp16,
                  torch.float32: _tide.DType.fp32}
-# u8: the bytes of an all-gather extension's inputs (_extension.py), viewed as their dtypes there.
-TIDE_TO_TORCH = {**{v: k for k, v in TORCH_TO_TIDE.items()}, _tide.DType.u8: torch.uint8}
+# u8: the bytes of an all-gather extension's inputs (_extension.py), viewed as their dtypes there;
+# e4m3: a float8 weight TIDE casts (_float8.py).
+TIDE_TO_TORCH = {**{v: k for k, v in TORCH_TO_TIDE.items()}, _tide.DType.u8: torch.uint8,
+                 _tide.DType.e4m3: torch.float8_e4m3fn}
 
 
 class DeviceBytes:
@@ -157,11 +159,14 @@ class Bucket:
                 with torch.cuda.stream(stream):
                     shards = self._shards(stream)
                 window.use_on(stream)
-                window.run(self.ag_program, [s.data_ptr() for s in shards])
+                window.run(self.ag_program, [s.data_ptr() for s in shards], (), self._scales())
                 event = stream.record_event()
             else:  # `shards` referenced until the program has read them (extension inputs are new tensors)
                 shards = self._shards(None)
-                window.run(self.ag_program, [s.data_ptr() for s in shards])
+                window.run(self.ag_program, [s.data_ptr() for s in shards], (), self._scales())
+        if self.gather is not None and self.gather.unchecked:
+            with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
+                self.gather.check_casts(self.fsdp_params, self.rank, self.group)
         self.counts.all_gathers += 1
         self.counts.all_gather_bytes += self.ag_bytes
         if self.gather is not None:
@@ -169,6 +174,10 @@ class Bucket:
         else:
             numels, dtypes = self.result_numels, self.result_dtypes
         return _fsdp2.all_gather_result(self.param_outputs[0], numels, dtypes, event)
+
+    def _scales(self) -> list[int]:
+        """The scales of the e4m3 casts of the shards _shards just made ([] without such casts)."""
+        return self.gather.scale_pointers() if self.gather is not None else []
 
     def _shards(self, stream: torch.cuda.Stream | None) -> list[torch.Tensor]:
         """What the all-gather program reads: each laid-out param's padded shard, or with all-gather

@@ -17,6 +17,9 @@ The inputs' sizes and dtypes are fixed after the first all-gather (FSDP2 allocat
 from them); enable() asks for them once, by calling ``fsdp_pre_all_gather`` (as FSDP2's next
 all-gather would: torchao's dynamic float8 scale all-reduces its amax over the mesh there, and every
 rank calls enable), and each all-gather checks them again.
+
+torchao's float8 weights skip ``fsdp_pre_all_gather``: TIDE's cast writes their e4m3 bytes straight
+into the window from the high-precision shard and torchao's scale (_float8.py).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from typing import Callable
 
 import torch
 
+import torch.distributed as dist
+
 from .. import _tide
-from . import _fsdp2
-from ._bucket import TORCH_TO_TIDE
+from . import _float8, _fsdp2
+from ._bucket import TIDE_TO_TORCH, TORCH_TO_TIDE
 
 
 def uses_extension(param_group: _fsdp2.FSDPParamGroup) -> bool:
@@ -56,9 +61,19 @@ class ExtensionGather:
         self.world = topology.world
         self.fsdp_params = list(param_group.fsdp_params)
         self.entries: list[list[Entry]] = []  # per param, one Entry per all-gather input
+        # Per param: whether TIDE casts its float8 all-gather itself (_float8.py), and why not.
+        self.why_not_cast = [_float8.why_not_cast(fp, self.world) if _fsdp2.has_extension(fp) else None
+                             for fp in self.fsdp_params]
+        self.unchecked = any(why == "" for why in self.why_not_cast)  # the first all-gather compares
         specs = []
         for i, fp in enumerate(param_group.fsdp_params):
             name = param_name(fp, i)
+            if self.why_not_cast[i] == "":  # e4m3 over the unsharded shape: FSDP2's rank-major output
+                shard = _float8.shard(fp)
+                self.entries.append([Entry(len(specs), _float8.E4M3, shard.numel())])
+                specs.append(_tide.ParamSpec(name, list(_fsdp2.unsharded_shape(fp)), _tide.DType.e4m3,
+                                             TORCH_TO_TIDE[shard.dtype], shard_dim=0))
+                continue
             if not _fsdp2.has_extension(fp):
                 orig, comm = _fsdp2.dtypes(fp, param_group)
                 self.entries.append([Entry(len(specs), comm, _fsdp2.padded_shard_shape(fp).numel())])
@@ -76,18 +91,27 @@ class ExtensionGather:
 
     def describe(self) -> list:
         """What every rank must agree on (enable's identity check), per param: its all-gather
-        inputs' dtypes and numels per rank (None for a plain param)."""
-        return [[e.describe() for e in entries] if _fsdp2.has_extension(fp) else None
-                for fp, entries in zip(self.fsdp_params, self.entries)]
+        inputs' dtypes and numels per rank, and whether TIDE casts them (None for a plain param)."""
+        return [[*(e.describe() for e in entries), "cast by TIDE" if why == "" else "inputs"]
+                if _fsdp2.has_extension(fp) else None
+                for fp, entries, why in zip(self.fsdp_params, self.entries, self.why_not_cast)]
 
     def shards(self, fsdp_params: list[_fsdp2.FSDPParam],
                plain_shard: Callable[[int, int], torch.Tensor]) -> list[torch.Tensor]:
         """What the all-gather program reads, one tensor per layout param: each extension param's
         all-gather inputs (``fsdp_pre_all_gather`` runs here, as in stock FSDP2's all-gather; it
-        also records the metadata FSDP2 hands ``fsdp_post_all_gather``), and `plain_shard(i)` for
-        a plain param i. The inputs must stay referenced until the program has read them."""
+        also records the metadata FSDP2 hands ``fsdp_post_all_gather``), the high-precision shard
+        of a float8 weight TIDE casts (its scale in `self.scales`), and `plain_shard(i)` for a
+        plain param i. The inputs and scales must stay referenced until the program has read them."""
         shards = []
+        self.scales = [None] * len(self.layout.params)
         for i, (fp, entries) in enumerate(zip(fsdp_params, self.entries)):
+            if self.why_not_cast[i] == "":
+                shard, scale = _float8.shard(fp), _float8.scale(fp)
+                self._check_cast_input(fp, entries[0], shard, scale)
+                shards.append(shard)
+                self.scales[entries[0].index] = scale
+                continue
             if not _fsdp2.has_extension(fp):
                 shards.append(plain_shard(i, entries[0].index))
                 continue
@@ -105,6 +129,51 @@ class ExtensionGather:
                                        "is not contiguous")
                 shards.append(t)
         return shards
+
+    def _check_cast_input(self, fp, entry: Entry, shard: torch.Tensor, scale: torch.Tensor) -> None:
+        """What TIDE's cast will read is what enable laid out: the kernel reads the shard's bytes
+        as the layout's dtype and numel, and the scale on the shard's device."""
+        p = self.layout.params[entry.index]
+        want = TIDE_TO_TORCH[p.shard_dtype]
+        if (shard.dtype != want or shard.numel() != entry.numel or not shard.is_contiguous()
+                or scale.device != shard.device):
+            raise RuntimeError(
+                f"tide.fsdp: {p.name}: torchao's float8 weight is now a {shard.dtype} shard of "
+                f"{shard.numel()} elements (contiguous: {shard.is_contiguous()}; scale on {scale.device}), "
+                f"expected a contiguous {want} shard of {entry.numel} with its scale on {shard.device} "
+                "as at tide.fsdp.enable (model.to(dtype) after enable?): change the model before "
+                "tide.fsdp.enable, or disable, change it and enable again")
+
+    def scale_pointers(self) -> list[int]:
+        """Per layout param, the address of its e4m3 cast's scale (0: none); [] without casts."""
+        if not any(s is not None for s in self.scales):
+            return []
+        return [s.data_ptr() if s is not None else 0 for s in self.scales]
+
+    def check_casts(self, fsdp_params: list[_fsdp2.FSDPParam], rank: int, group) -> None:
+        """Once, after the first all-gather: TIDE's e4m3 bytes in the own slot and its scale are
+        torchao's own (its ``fsdp_pre_all_gather`` on the same shard), on every rank; a difference
+        anywhere raises on every rank (one all-reduce), naming the params that differ here."""
+        self.unchecked = False
+        differ = []
+        for i, (fp, entries) in enumerate(zip(fsdp_params, self.entries)):
+            if self.why_not_cast[i] != "":
+                continue
+            e = entries[0]
+            data, s = _float8.torchao_cast(fp)
+            mine = self.outputs[i][0][rank * e.numel:(rank + 1) * e.numel]
+            same = torch.equal(mine.view(torch.uint8), data.reshape(-1).view(torch.uint8))
+            if not same or not torch.equal(self.scales[e.index].view(torch.int32), s.view(torch.int32)):
+                differ.append(self.layout.params[e.index].name)
+        # The group's backend carries the flag: NCCL a device tensor, gloo a host one.
+        device = self.outputs[0][0].device if "nccl" in str(dist.get_backend(group)) else "cpu"
+        flag = torch.tensor([len(differ)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, group=group)
+        if int(flag.item()) > 0:
+            raise RuntimeError(
+                f"tide.fsdp: TIDE's float8 cast differs from torchao's own in {int(flag.item())} "
+                f"(param, rank) pair(s) of the group (on this rank: {differ or 'none'}); please report "
+                "it with the torch and torchao versions (tide.fsdp.disable(model) trains with stock FSDP2)")
 
     def input_numels(self) -> list[list[int]]:
         return [[e.numel for e in entries] for entries in self.entries]

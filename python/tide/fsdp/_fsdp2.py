@@ -282,6 +282,26 @@ def local_tensor_type(fp) -> str:
     return type(fp._sharded_local_tensor).__name__
 
 
+def sharded_local_tensor(fp) -> torch.Tensor:
+    """The param's sharded local tensor (the subclass instance that defines an extension)."""
+    return fp._sharded_local_tensor
+
+
+def shard_mesh(fp):
+    """The mesh FSDP2 passes ``fsdp_pre_all_gather`` (the shard dim's, from the root mesh; older
+    releases name it ``shard_mesh``)."""
+    return fp.shard_mesh_from_root if hasattr(type(fp), "shard_mesh_from_root") else fp.shard_mesh
+
+
+def record_extension_inputs(fp, metadata, input_sizes: list) -> None:
+    """What FSDP2's own ``all_gather_inputs`` records for ``init_unsharded_param``: the metadata
+    ``fsdp_post_all_gather`` receives and the inputs' N-D sizes, for inputs TIDE made itself."""
+    if not hasattr(fp, "_extensions_data"):
+        fp._init_extensions()  # as extension_inputs: methods attached after fully_shard
+    fp._extensions_data.all_gather_metadata = metadata
+    fp._extensions_data.all_gather_input_sizes = list(input_sizes)
+
+
 def has_extension(fp) -> bool:
     """Whether a param's sharded tensor defines FSDP2's all-gather extension protocol."""
     return hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")

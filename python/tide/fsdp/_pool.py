@@ -22,15 +22,16 @@ class PooledWindow:
         # Keyed by the program object, which the dict keeps alive.
         self.prepared: dict = {}
 
-    def run(self, program, inputs: list[int], outputs: list[int] = ()) -> None:
-        """Runs (CPU) or enqueues (CUDA) `program` on this window's executor."""
+    def run(self, program, inputs: list[int], outputs: list[int] = (), scales: list[int] = ()) -> None:
+        """Runs (CPU) or enqueues (CUDA) `program` on this window's executor. `scales`: per param
+        the address of the fp32 scale of its e4m3 cast, 0 for none (empty: no such param)."""
         if not hasattr(self.executor, "prepare"):  # the host executor: nothing to keep
-            self.executor.run(program, inputs, outputs)
+            self.executor.run(program, inputs, outputs, scales)
             return
         prepared = self.prepared.get(program)
         if prepared is None:
             prepared = self.prepared[program] = self.executor.prepare(program)
-        self.executor.run(prepared, inputs, outputs)
+        self.executor.run(prepared, inputs, outputs, scales)
 
     def use_on(self, stream: torch.cuda.Stream) -> None:
         """CUDA: the next program on this window runs on `stream`, after the window's last use."""

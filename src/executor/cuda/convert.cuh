@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -40,6 +41,12 @@ __device__ __forceinline__ uint16_t float_to_fp16(float value) {
   return __half_as_ushort(__float2half_rn(value));
 }
 
+// Round to nearest even, saturated to +-448, NaN as the host's sign | 0x7F: tide::float_to_e4m3.
+__device__ __forceinline__ uint8_t float_to_e4m3(float value) {
+  if (isnan(value)) return static_cast<uint8_t>(((__float_as_uint(value) >> 24) & 0x80) | 0x7F);
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(value, __NV_SATFINITE, __NV_E4M3));
+}
+
 template <ElementType T>
 struct Element;
 template <>
@@ -53,6 +60,11 @@ struct Element<kFP16> {
   using Storage = uint16_t;
   static __device__ __forceinline__ float to_float(Storage s) { return fp16_to_float(s); }
   static __device__ __forceinline__ Storage from_float(float v) { return float_to_fp16(v); }
+};
+template <>
+struct Element<kE4M3> {  // a destination only: no to_float
+  using Storage = uint8_t;
+  static __device__ __forceinline__ Storage from_float(float v) { return float_to_e4m3(v); }
 };
 template <>
 struct Element<kFP32> {
@@ -94,7 +106,12 @@ __device__ __forceinline__ void load8(const void* base, int64_t index, float (&o
 
 template <ElementType T>
 __device__ __forceinline__ void store8(void* base, int64_t index, const float (&in)[8]) {
-  if constexpr (T == kFP32) {
+  if constexpr (T == kE4M3) {  // eight bytes, one 8-byte store
+    uint32_t words[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) words[j / 4] |= static_cast<uint32_t>(float_to_e4m3(in[j])) << (8 * (j % 4));
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(base) + index) = make_uint2(words[0], words[1]);
+  } else if constexpr (T == kFP32) {
     float4* p = reinterpret_cast<float4*>(static_cast<float*>(base) + index);
     p[0] = make_float4(in[0], in[1], in[2], in[3]);
     p[1] = make_float4(in[4], in[5], in[6], in[7]);

@@ -16,7 +16,8 @@ namespace tide {
 
 static_assert(static_cast<int>(DType::kBF16) == cuda_kernels::kBF16 &&
                   static_cast<int>(DType::kFP16) == cuda_kernels::kFP16 &&
-                  static_cast<int>(DType::kFP32) == cuda_kernels::kFP32,
+                  static_cast<int>(DType::kFP32) == cuda_kernels::kFP32 &&
+                  static_cast<int>(DType::kE4M3) == cuda_kernels::kE4M3,
               "kernel element types must be numbered as tide::DType");
 
 using namespace cuda_executor_detail;
@@ -226,6 +227,11 @@ void CudaExecutor::run(PreparedProgram& prepared, const Bindings& bindings) {
   PreparedProgram::Lowered& lowered = *prepared.lowered_;
   const bool reuse = lowered.valid && lowered.bindings.inputs == bindings.inputs &&
                      lowered.bindings.outputs == bindings.outputs;
+  if (reuse)  // validate_run is skipped: the scales, which the pointers above do not cover
+    for (const int param : lowered.scaled_params)
+      TIDE_CHECK_ARG(static_cast<std::size_t>(param) < bindings.scales.size() && bindings.scales[param],
+                     "Executor::run", detail::concat("scales[", param, "]"), "missing",
+                     "the fp32 scale of the param's e4m3 cast");
   impl_->run(prepared.program_, bindings, lowered, reuse);
 }
 

@@ -138,6 +138,9 @@ struct PreparedProgram::Lowered {
   bool valid = false;  // commands and schedule were made for `bindings`
   Bindings bindings;
   bool has_net = false;
+  // Params whose casts read a scale: a reused lowering still checks their Bindings::scales, which
+  // its pointers do not cover (casts read the scales of the run that enqueues them).
+  std::vector<int> scaled_params;
   net::GroupSchedule schedule;  // has_net only
   lowering::CommandList commands;
   // Per command, its kernel launches with their tables (reduce and copy kernels; empty for the
@@ -249,7 +252,7 @@ struct CudaExecutor::Impl {
                        const PreparedProgram::Lowered& lowered, uint64_t epoch, uint64_t tag);
   // The commands of lowering::lower (command_list.hpp), each issued as lowering.cpp's header says.
   void enqueue_casts(const std::vector<Step>& steps, std::size_t first, std::size_t end,
-                     const Resolve& resolve);
+                     const Resolve& resolve, const Bindings& bindings);
   cuda_kernels::Launches reduce_launches(const lowering::CommandList& list, const lowering::Command& c);
   cuda_kernels::Launches copy_launches(const std::vector<lowering::Copy>& copies, std::size_t first,
                                        std::size_t count);
@@ -258,7 +261,7 @@ struct CudaExecutor::Impl {
                              std::size_t count);
   std::size_t cast_to_peers_start(const Program& program) const;
   void enqueue_cast_to_peers(const std::vector<Step>& steps, std::size_t first, const Resolve& resolve,
-                       uint64_t epoch, uint64_t tag);
+                             const Bindings& bindings, uint64_t epoch, uint64_t tag);
   void enqueue_copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                        std::size_t width, std::size_t rows);
   // Signals and waits of steps [first, end) in one cuStreamBatchMemOp.

@@ -27,6 +27,7 @@ struct CastTask {
   int64_t row;         // elements per destination row (total when contiguous)
   int64_t dst_pitch;   // elements between destination rows
   int64_t tile_begin;  // first tile of this task in the launch
+  const float* scale;  // kE4M3 destinations: what each element is multiplied by
   uint8_t src_type;
   uint8_t dst_type;
   uint8_t vectorized;
@@ -85,7 +86,7 @@ struct ReduceTable {
 // common launch, large ones big buckets and worlds.
 using OneCastTable = CastTable<1>;
 using SmallCastTable = CastTable<16>;
-constexpr int kLargeCastTasks = 480;
+constexpr int kLargeCastTasks = 448;  // 72-byte tasks in the 32 KB of a launch's parameters
 using LargeCastTable = CastTable<kLargeCastTasks>;
 constexpr int kOneReduceSources = 16;
 using OneReduceTable = ReduceTable<sizeof(ReduceTask) + kOneReduceSources * sizeof(void*)>;
@@ -105,11 +106,16 @@ __device__ __forceinline__ int64_t dst_index(const CastTask& task, int64_t k) {
 
 template <ElementType Src, ElementType Dst>
 __device__ __forceinline__ void cast_tile(const CastTask& task, int64_t begin, int64_t end) {
+  // Into e4m3: x * scale, one rounded fp32 multiply (as torchao's eager cast), then convert.
+  const float scale = Dst == kE4M3 ? *task.scale : 1.0f;
+  auto scaled = [&](float x) { return Dst == kE4M3 ? __fmul_rn(x, scale) : x; };
   if (task.vectorized) {  // strided: rows and pitch are multiples of 8, so a vector stays in a row
     for (int64_t e = begin + threadIdx.x * 8; e < end; e += kThreadsPerCta * 8) {
       if (e + 8 <= task.count) {
         float v[8];
         load8<Src>(task.src, e, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = scaled(v[j]);
         store8<Dst>(task.dst, dst_index(task, e), v);
       } else if (e >= task.count && e + 8 <= end) {
         const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -117,13 +123,13 @@ __device__ __forceinline__ void cast_tile(const CastTask& task, int64_t begin, i
       } else {
         for (int64_t k = e; k < min(e + 8, end); ++k)
           store_scalar<Dst>(task.dst, dst_index(task, k),
-                            k < task.count ? load_scalar<Src>(task.src, k) : 0.0f);
+                            k < task.count ? scaled(load_scalar<Src>(task.src, k)) : 0.0f);
       }
     }
   } else {
     for (int64_t k = begin + threadIdx.x; k < end; k += kThreadsPerCta)
       store_scalar<Dst>(task.dst, dst_index(task, k),
-                        k < task.count ? load_scalar<Src>(task.src, k) : 0.0f);
+                        k < task.count ? scaled(load_scalar<Src>(task.src, k)) : 0.0f);
   }
 }
 
@@ -132,6 +138,7 @@ __device__ __forceinline__ void cast_tile_dispatch_dst(const CastTask& task, int
   switch (task.dst_type) {
     case kBF16: cast_tile<Src, kBF16>(task, begin, end); break;
     case kFP16: cast_tile<Src, kFP16>(task, begin, end); break;
+    case kE4M3: cast_tile<Src, kE4M3>(task, begin, end); break;
     default: cast_tile<Src, kFP32>(task, begin, end); break;
   }
 }
@@ -466,7 +473,8 @@ CastTask cast_task(const CastSpec& s) {
   const bool vectorized = aligned16(s.src) && aligned16(s.dst) &&
                           (!strided || (s.count % 8 == 0 && s.dst_pitch % 8 == 0));
   return {s.src, s.dst, strided ? total : s.count, total, strided ? s.count : total,
-          strided ? s.dst_pitch : total, 0, s.src_type, s.dst_type, static_cast<uint8_t>(vectorized)};
+          strided ? s.dst_pitch : total, 0, s.scale, s.src_type, s.dst_type,
+          static_cast<uint8_t>(vectorized)};
 }
 
 // A reduce's task (tile_begin and source_begin set by the table it joins).

@@ -20,11 +20,13 @@
 
 namespace tide::cuda_kernels {
 
-// Element types, numbered as tide::DType (checked by a static_assert in cuda_executor.cpp).
-enum ElementType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+// Element types, numbered as tide::DType (checked by a static_assert in cuda_executor.cpp; 3 is
+// tide::DType::kU8, bytes, which no kernel converts). kE4M3: a cast's destination only.
+enum ElementType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2, kE4M3 = 4 };
 
 // dst[0:count] = convert(src[0:count]); dst[count:count+pad] = 0. With rows > 1 (a strided
 // destination, pad 0): `count` elements per row, row j from src[j * count] to dst[j * dst_pitch].
+// Into kE4M3: convert(x) = e4m3(x * *scale), one fp32 multiply, saturated to +-448.
 struct CastSpec {
   const void* src;  // may be null when count == 0
   void* dst;
@@ -33,7 +35,8 @@ struct CastSpec {
   ElementType src_type;
   ElementType dst_type;
   int64_t rows = 1;
-  int64_t dst_pitch = 0;  // elements of dst_type between rows, rows > 1
+  int64_t dst_pitch = 0;        // elements of dst_type between rows, rows > 1
+  const float* scale = nullptr;  // device memory; kE4M3 destinations only
 };
 
 // dst[k] (+)= scale * sum_{p in order} (prescale * float(sources[p][k])), k < count.

@@ -81,8 +81,12 @@ void CudaExecutor::Impl::lower(const Program& program, const Bindings& bindings,
                                PreparedProgram::Lowered& out) {
   const std::vector<Step>& steps = program.steps;
   out.has_net = false;
-  for (const Step& step : steps)
+  out.scaled_params.clear();
+  for (const Step& step : steps) {
     out.has_net |= std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op);
+    if (const auto* cast = std::get_if<CastOp>(&step.op); cast && is_scaled(cast->dst_dtype))
+      out.scaled_params.push_back(cast->src.index);
+  }
   if (out.has_net) {
     out.schedule = net::schedule_groups(program);
     if (!net_ready) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&net_ready, cudaEventDisableTiming));
@@ -124,8 +128,10 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
         if (schedule.wait_before[c.step] >= 0)
           TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, group_done[schedule.wait_before[c.step]], 0));
         break;
-      case lowering::CommandKind::kCastToPeers: enqueue_cast_to_peers(steps, c.step, resolve, epoch, tag); break;
-      case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve); break;
+      case lowering::CommandKind::kCastToPeers:
+        enqueue_cast_to_peers(steps, c.step, resolve, bindings, epoch, tag);
+        break;
+      case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve, bindings); break;
       case lowering::CommandKind::kReduceKernel:
         run_launches(lowered.launches[k], KernelKind::kReduce);
         break;
@@ -205,8 +211,15 @@ std::size_t CudaExecutor::Impl::cast_to_peers_start(const Program& program) cons
 
 // The tail from `first` on (cast_to_peers_start) as one cast-to-peers kernel: its stores, its signals, its
 // waits as one watched record (the kernel writes the marks), its reduces.
+// The scale a cast multiplies by: its param's bound scale for a kE4M3 destination (validate_run
+// checked it is there), none otherwise.
+static const float* scale_of(const CastOp& cast, const Bindings& bindings) {
+  return is_scaled(cast.dst_dtype) ? bindings.scales[cast.src.index] : nullptr;
+}
+
 void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, std::size_t first,
-                                         const Resolve& resolve, uint64_t epoch, uint64_t tag) {
+                                         const Resolve& resolve, const Bindings& bindings,
+                                         uint64_t epoch, uint64_t tag) {
   const int rank = window.rank(), world = window.world();
   std::vector<cuda_kernels::CastSpec> casts;
   std::vector<cuda_kernels::CopySpec> copies;
@@ -228,7 +241,7 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
                           static_cast<std::size_t>(cast->pad) * size});
       else
         casts.push_back({src, dst, cast->count, cast->pad, element_type(cast->src_dtype),
-                         element_type(cast->dst_dtype)});
+                         element_type(cast->dst_dtype), 1, 0, scale_of(*cast, bindings)});
     } else if (const auto* batch = std::get_if<CopyBatch>(&step.op)) {
       for (const CopyOp& c : batch->copies)
         if (c.bytes > 0) copies.push_back({resolve(c.src), resolve(c.dst), c.bytes});
@@ -270,7 +283,8 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
 // Consecutive casts write disjoint slots: same-type ones become one copy batch (+ memsets of their
 // pads), the rest one kernel.
 void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size_t first,
-                                       std::size_t end, const Resolve& resolve) {
+                                       std::size_t end, const Resolve& resolve,
+                                       const Bindings& bindings) {
   std::vector<cuda_kernels::CastSpec> casts;
   cast_copies.clear();  // the same-type casts' copies
   for (std::size_t i = first; i < end; ++i) {
@@ -289,7 +303,7 @@ void CudaExecutor::Impl::enqueue_casts(const std::vector<Step>& steps, std::size
     } else {
       casts.push_back({cast.count > 0 ? resolve(cast.src) : nullptr, dst, cast.count, cast.pad,
                        element_type(cast.src_dtype), element_type(cast.dst_dtype), cast.rows,
-                       static_cast<int64_t>(cast.dst_pitch / dst_size)});
+                       static_cast<int64_t>(cast.dst_pitch / dst_size), scale_of(cast, bindings)});
     }
   }
   const std::size_t all = cast_copies.size();

@@ -8,6 +8,7 @@
 // exited (liveness.hpp) ends the wait at once with an error that names both sides; otherwise the
 // wait ends at its timeout. host_internal.hpp lists the files.
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -136,6 +137,15 @@ void HostExecutor::run(const Program& program, const Bindings& bindings) {
           const std::byte* src = cast->count > 0 ? resolve(cast->src) + j * src_row : nullptr;
           if (cast->src_dtype == cast->dst_dtype) {
             if (cast->count > 0) std::memcpy(dst, src, cast->count * dst_size);
+          } else if (is_scaled(cast->dst_dtype)) {  // one fp32 multiply per element, then saturate
+            const float scale = *bindings.scales[cast->src.index];
+            for (int64_t k = 0; k < cast->count; ++k) {
+              // A NaN keeps the element's sign, else the scale's, as torch's x * scale on the CPU
+              // (the compiler may swap a product's operands, and x86 returns the first one's NaN).
+              const float x = load_as_float(src, cast->src_dtype, k);
+              const float product = std::isnan(x) ? x : std::isnan(scale) ? scale : x * scale;
+              store_from_float(dst, cast->dst_dtype, k, product);
+            }
           } else {
             for (int64_t k = 0; k < cast->count; ++k)
               store_from_float(dst, cast->dst_dtype, k, load_as_float(src, cast->src_dtype, k));
