@@ -101,8 +101,10 @@ SANITIZER_CASES=(
   # into the peers' windows (kCastToPeers) as stream operations. The cast-to-peers kernel is off here:
   # it spins on flags its peers' kernels write, and the sanitizer runs one kernel at a time. Not
   # under synccheck: it checks barriers, and the kernels this case runs (cast, copy, reduce) have
-  # none; under it the ranks' stream waits on each other did not finish in 300 s (H200), where
-  # memcheck and racecheck pass. The cast-to-peers kernel's barriers are checked by the next case.
+  # none; under it the ranks' stream waits on each other did not finish in 300 s (H200). Under
+  # memcheck this case has hung the same way once in four runs (the others passed in under 10 s):
+  # a hang here fails the stage after SANITIZER_TIMEOUT; rerun it before suspecting the product.
+  # The cast-to-peers kernel's barriers are checked by the next case.
   "CudaCollectives.RanksAsThreadsOfOneProcess|TIDE_CUDA_CAST_TO_PEERS=0|1|memcheck racecheck"
   # the cast-to-peers kernel itself: one rank's kernel stuck on a flag, released by the watchdog (its
   # peers run no kernel), in both outcomes (DesyncError, TimeoutError)
@@ -122,7 +124,7 @@ run_sanitizer() {
       # TIDE_GPU_TEST_IN_PROCESS: the single "process" of a test runs in this one (a fork()ed
       # child never finished under the sanitizer).
       # shellcheck disable=SC2086
-      env TIDE_GPU_TEST_IN_PROCESS=1 $env timeout ${SANITIZER_TIMEOUT:-300} \
+      env TIDE_GPU_TEST_IN_PROCESS=1 $env timeout ${SANITIZER_TIMEOUT:-120} \
         compute-sanitizer --tool "$tool" --error-exitcode 3 \
         "$BIN/tide_gpu_tests" --gtest_filter="$filter" >"$log" 2>&1
       rc=$?
