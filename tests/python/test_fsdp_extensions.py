@@ -67,11 +67,12 @@ class Float8Model(nn.Module):
         return self.out(x)
 
 
-def build_float8(fp8_all_gather: bool, only_float8_groups: bool = False, **fsdp_kwargs):
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+def build_float8(fp8_all_gather: bool, only_float8_groups: bool = False, weight_dtype=None, **fsdp_kwargs):
+    from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
     torch.manual_seed(0)
     model = Float8Model()
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather,
+                                cast_config_weight=CastConfig(target_dtype=weight_dtype))
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn not in ("inp", "out"))
     for b in model.blocks:
         if only_float8_groups:  # a group of float8 weights alone: all-gathered as fp8
@@ -129,6 +130,33 @@ def scenario_float8(precompute: bool, only_float8_groups: bool = False, ranks_pe
     stock_off, _ = train(build_float8(False, only_float8_groups))
     return {"tide": tide_on, "tide_off": tide_off, "vs_tide_off": _equal(on, off),
             "vs_stock_off": _equal(on, stock_off)}
+
+
+def scenario_float8_generic() -> dict:
+    """torchao's float8 weights that TIDE does not cast (e5m2 weights): the generic extension path
+    (torchao's fsdp_pre_all_gather, its fp8 inputs gathered as bytes), still bitwise equal to stock
+    FSDP2 with fp8 all-gather off."""
+    on, tide_on = _with_tide(build_float8(True, weight_dtype=torch.float8_e5m2), lambda m: train_float8(m, False))
+    stock_off, _ = train_float8(build_float8(False, weight_dtype=torch.float8_e5m2), False)
+    return {"tide": tide_on, "vs_stock_off": _equal(on, stock_off)}
+
+
+def scenario_float8_uneven() -> dict:
+    """A float8 weight whose dim 0 (64) W = 3 does not divide: torchao does not pad its fp8 input, so
+    the ranks' inputs differ in size; enable must raise DesyncError on every rank (stock FSDP2
+    aborts inside its all-gather)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 64, bias=False), nn.Linear(64, 64, bias=False))
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=lambda m, fqn: fqn == "1")
+    fully_shard(model)
+    try:
+        tide.fsdp.enable(model, timeout_ms=60000)
+        tide.fsdp.disable(model)
+        return {"error_text": ""}
+    except tide.DesyncError as e:
+        return {"error_text": str(e)}
 
 
 # --- torchao NF4 (QLoRA) ----------------------------------------------------------------------------
@@ -410,6 +438,8 @@ SCENARIOS = {
     "float8_bf16": (lambda: scenario_float8_stock_on(mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), (2,), True),
     "float8_no_reshard": (lambda: scenario_float8_stock_on(reshard_after_forward=False), (2,), True),
+    "float8_generic": (scenario_float8_generic, (2,), True),
+    "float8_uneven": (scenario_float8_uneven, (3,), True),
     "nf4": (scenario_nf4, (2,), True),
     "split_v1": (lambda: scenario_split(1), (2,), False),
     "split_v2": (lambda: scenario_split(2), (2,), False),
@@ -481,6 +511,19 @@ def test_float8_all_gather_is_handled_and_bitwise_equal_to_it_off(world, scale):
         assert r["vs_tide_off"], f"rank {rank}: fp8 all-gather on differs from off (both TIDE)"
         if world == 2:  # every reduction a sum of two numbers: bitwise against stock too
             assert r["vs_stock_off"], f"rank {rank}: differs from stock FSDP2 with fp8 all-gather off"
+
+
+@needs_torchao
+def test_float8_weights_tide_does_not_cast_take_the_generic_path():
+    for rank, r in handled_ranks(2, "float8_generic", groups=3, extension_groups=2):
+        assert r["tide"]["tide_casts"] == 0, r["tide"]
+        assert r["vs_stock_off"], f"rank {rank}: differs from stock FSDP2 with fp8 all-gather off"
+
+
+@needs_torchao
+def test_float8_weights_with_uneven_shards_raise_on_every_rank():
+    for rank, r in enumerate(results(3)["float8_uneven"]):
+        assert "disagree" in r.get("error_text", "") and "float8_e4m3fn" in r["error_text"], f"rank {rank}: {r}"
 
 
 @needs_torchao
