@@ -163,7 +163,8 @@ def test_config_errors_are_clear(cfg, fragment):
 
 def test_moe_routes_each_token_to_its_top_k_experts():
     """The permuted grouped computation equals a per-token loop over the chosen experts, forward
-    and backward."""
+    and backward. The model is float64 but its router's softmax runs in float32 (as Qwen3's), so
+    the batched and per-token routings agree to float32 rounding: float32's tolerances."""
     torch.manual_seed(0)
     cfg = PRESETS["qwen3-moe-tiny"]
     moe = MoE(cfg).double()
@@ -171,19 +172,20 @@ def test_moe_routes_each_token_to_its_top_k_experts():
     y = moe(x)
     ref = []
     for tok in x.reshape(-1, cfg.dim):
-        probs = torch.softmax(moe.router(tok), -1)
+        probs = torch.softmax(moe.router(tok).float(), -1)
         w, idx = probs.topk(cfg.top_k)
         w = w / w.sum()
         e = moe.experts
         ref.append(sum(wi * ((torch.nn.functional.silu(tok @ e.w1[i]) * (tok @ e.w3[i])) @ e.w2[i])
                        for wi, i in zip(w, idx.tolist())))
     ref = torch.stack(ref).view_as(y)
-    torch.testing.assert_close(y, ref)
+    float32 = {"rtol": 1.3e-6, "atol": 1e-5}  # torch.testing's defaults for float32
+    torch.testing.assert_close(y, ref, **float32)
     g = torch.randn_like(y)
     grads = torch.autograd.grad(y, [x, moe.experts.w1, moe.router.weight], g)
     refs = torch.autograd.grad(ref, [x, moe.experts.w1, moe.router.weight], g)
     for a, b in zip(grads, refs):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, **float32)
 
 
 def test_host_cost_code_runs_on_cpu_handled_and_without_remaps_after_warmup():

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 import fsdp_harness as h
 import tide.fsdp
@@ -384,7 +385,7 @@ def _bf16_post(self, all_gather_outputs, metadata, param_dtype, *, out=None):
     assert metadata is None and tensor.dtype == torch.bfloat16
     if out is not None:
         with _unsafe_preserve_version_counter(out):
-            out.copy_(tensor)
+            out.copy_(tensor.view(out.shape))  # the test's copy_(tensor), for any shard dim
         return None
     upcast = tensor.to(param_dtype)
     return upcast, (tensor, upcast)
@@ -394,6 +395,193 @@ def scenario_monkey_patched() -> dict:
     stock, _ = train_mlp(build_monkey_patched())
     mine, summary = _with_tide(build_monkey_patched(), train_mlp)
     return {"tide": summary, "vs_stock": _equal(mine, stock)}
+
+
+# --- extensions as stock FSDP2 runs them: shard dims, freeing, RNG, late methods, empty inputs -----
+
+def build_bf16_extension(shard_dim: int = 0, attach: bool = True, pre=None):
+    """PyTorch's bf16 all-gather test extension (``_bf16_pre``/``_bf16_post``: its post-all-gather
+    allocates an fp32 upcast, an inner tensor) on every weight, each group sharded on `shard_dim`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+                            for _ in range(3)])
+    placement = {"shard_placement_fn": lambda p: Shard(shard_dim)} if shard_dim else {}
+    for mlp in model:
+        fully_shard(mlp, **placement)
+    fully_shard(model, **placement)
+    if attach:
+        attach_bf16_extension(model, pre)
+    return model
+
+
+def attach_bf16_extension(model, pre=None) -> None:
+    for param in model.parameters():
+        local = param._local_tensor
+        local.fsdp_pre_all_gather = (pre or _bf16_pre).__get__(local)
+        local.fsdp_post_all_gather = _bf16_post.__get__(local)
+
+
+def _unsharded_weights(model) -> list:
+    """Every param unsharded (FSDP2's unshard), cloned, then resharded."""
+    model.unshard()
+    for mlp in model:
+        mlp.unshard()
+    weights = [p.detach().clone() for p in model.parameters()]
+    model.reshard()
+    for mlp in model:
+        mlp.reshard()
+    return weights
+
+
+def scenario_shard_dim(shard_dim: int) -> dict:
+    """An extension param sharded on dim `shard_dim`: stock chunk-cats each rank's input along the
+    dim before fsdp_post_all_gather; TIDE must hand it the same."""
+    stock_model = build_bf16_extension(shard_dim)
+    stock_weights = _unsharded_weights(stock_model)
+    stock, _ = train_mlp(stock_model)
+    model = build_bf16_extension(shard_dim)
+    handle = tide.fsdp.enable(model, timeout_ms=60000)
+    try:
+        weights = _unsharded_weights(model)
+        mine, ops = train_mlp(model)
+    finally:
+        tide.fsdp.disable(model)
+    return {"tide": _summary(handle, ops), "weights_equal": _equal(weights, stock_weights),
+            "vs_stock": _equal(mine, stock)}
+
+
+def _after_reshard(model) -> dict:
+    """After a training step: the bytes the params' inner tensors still hold (stock frees them at
+    reshard), and what reading a resharded weight kept from the unsharded param does."""
+    train_mlp(model, steps=1)
+    resident = sum(t.untyped_storage().size() for fp in _fsdp_params(model) for t in fp._unsharded_inner_tensors)
+    model.unshard()
+    for mlp in model:
+        mlp.unshard()
+    kept = model[0][0].weight
+    model.reshard()
+    for mlp in model:
+        mlp.reshard()
+    try:
+        stale = f"read {float(kept[0].sum())}"  # a row view checks its storage's size
+    except RuntimeError as e:
+        stale = f"RuntimeError: {e}"
+    return {"resident": resident, "stale": stale}
+
+
+def _fsdp_params(model) -> list:
+    from tide.fsdp import _fsdp2
+    return [fp for _, pg in _fsdp2.param_groups(model) for fp in pg.fsdp_params]
+
+
+def scenario_inner_tensors_freed() -> dict:
+    stock = _after_reshard(build_bf16_extension())
+    model = build_bf16_extension()
+    handle = tide.fsdp.enable(model, timeout_ms=60000)
+    try:
+        mine = _after_reshard(model)
+    finally:
+        tide.fsdp.disable(model)
+    return {"stock": stock, "tide_run": mine, "buckets": len(handle.buckets), "fallbacks": handle.fallbacks}
+
+
+def _stochastic_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+    """bf16 with stochastic rounding: draws from torch's global generator at every all-gather."""
+    noise = (torch.rand(self.shape) - 0.5) * 2.0 ** -8
+    return ((self * (1 + noise)).to(torch.bfloat16),), None
+
+
+def scenario_rng_stream() -> dict:
+    """An extension that draws from torch's global generator: enable must leave the stream where
+    stock's is, so the training is bitwise stock's."""
+    stock, _ = train_mlp(build_bf16_extension(pre=_stochastic_pre))  # seeds torch's generator
+    mine, summary = _with_tide(build_bf16_extension(pre=_stochastic_pre), train_mlp)
+    return {"tide": summary, "vs_stock": _equal(mine, stock)}
+
+
+def scenario_attached_after_enable() -> dict:
+    """Extension methods attached after enable, before the first forward (FSDP2 sets them up at
+    its lazy init): stock trains with them, so TIDE must too."""
+    stock_model = build_bf16_extension(attach=False)
+    attach_bf16_extension(stock_model)
+    stock, _ = train_mlp(stock_model)
+    model = build_bf16_extension(attach=False)
+    handle = tide.fsdp.enable(model, timeout_ms=60000)
+    attach_bf16_extension(model)
+    try:
+        mine, ops = train_mlp(model)
+    finally:
+        tide.fsdp.disable(model)
+    return {"tide": _summary(handle, ops), "vs_stock": _equal(mine, stock)}
+
+
+def _pre_with_empty_input(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self.to(torch.bfloat16), torch.empty(0, dtype=torch.float32)), None
+
+
+@torch.no_grad()
+def _post_with_empty_input(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    tensor, empty = all_gather_outputs
+    assert empty.numel() == 0 and empty.dtype == torch.float32, empty
+    return _bf16_post(self, (tensor,), metadata, param_dtype, out=out)
+
+
+def scenario_empty_input() -> dict:
+    """fsdp_pre_all_gather returning an empty input beside a real one: stock gathers nothing for
+    it and hands fsdp_post_all_gather an empty output."""
+    def build():
+        model = build_bf16_extension(attach=False)
+        for param in model.parameters():
+            local = param._local_tensor
+            local.fsdp_pre_all_gather = _pre_with_empty_input.__get__(local)
+            local.fsdp_post_all_gather = _post_with_empty_input.__get__(local)
+        return model
+    stock, _ = train_mlp(build())
+    mine, summary = _with_tide(build(), train_mlp)
+    return {"tide": summary, "vs_stock": _equal(mine, stock)}
+
+
+def scenario_enable_twice() -> dict:
+    """enable on a block, then on the model holding it: the error names the block's group."""
+    model = build_bf16_extension(attach=False)
+    tide.fsdp.enable(model[1], timeout_ms=60000)
+    try:
+        tide.fsdp.enable(model, timeout_ms=60000)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    finally:
+        tide.fsdp.disable(model[1])
+    return {"error_text": error}
+
+
+def scenario_float8_shard_dim_1() -> dict:
+    """torchao float8 weights sharded on dim 1 (torchtitan's layout for MoE experts): TIDE's
+    generic extension path against stock FSDP2, fp8 all-gather on."""
+    def train(m):
+        return train_float8(m, False)
+    kwargs = {"shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else Shard(0)}
+    on, tide_on = _with_tide(build_float8(True, **kwargs), train)
+    stock_on, _ = train(build_float8(True, **kwargs))
+    return {"tide": tide_on, "vs_stock_on": _equal(on, stock_on)}
+
+
+def scenario_float8_nan() -> dict:
+    """A NaN in a float8 weight at the first all-gather: the first-all-gather check compares NaNs
+    as NaNs (their sign is not defined), so TIDE trains on as stock does."""
+    model = build_float8(True)
+    with torch.no_grad():
+        model.blocks[0].up.weight.to_local()._tensor.view(-1)[dist.get_rank()] = float("nan")
+    handle = tide.fsdp.enable(model, timeout_ms=60000)
+    try:
+        loss = model(torch.randn(4, IN)).sum()
+        loss.backward()
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        tide.fsdp.disable(model)
+    return {"error_text": error, "tide_casts": _summary(handle, {})["tide_casts"]}
 
 
 def scenario_float8_stock_on(**fsdp_kwargs) -> dict:
@@ -445,6 +633,15 @@ SCENARIOS = {
     "split_v2": (lambda: scenario_split(2), (2,), False),
     "two_tensor": (scenario_two_tensor, (2,), False),
     "monkey_patched": (scenario_monkey_patched, (2,), False),
+    "shard_dim_0": (lambda: scenario_shard_dim(0), (2,), False),
+    "shard_dim_1": (lambda: scenario_shard_dim(1), (2,), False),
+    "inner_tensors_freed": (scenario_inner_tensors_freed, (2,), False),
+    "rng_stream": (scenario_rng_stream, (2,), False),
+    "attached_after_enable": (scenario_attached_after_enable, (2,), False),
+    "empty_input": (scenario_empty_input, (2,), False),
+    "enable_twice": (scenario_enable_twice, (2,), False),
+    "float8_shard_dim_1": (scenario_float8_shard_dim_1, (2,), True),
+    "float8_nan": (scenario_float8_nan, (2,), True),
     "float8_cast_checked": (scenario_float8_cast_checked, (2,), True),  # last: leaves a broken step
 }
 
@@ -590,3 +787,71 @@ def test_extension_methods_attached_after_fully_shard_match_stock():
     lazy init does (before, enable raised AttributeError: no '_extensions_data')."""
     for rank, r in handled_ranks(2, "monkey_patched", groups=3, extension_groups=3):
         assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
+
+
+# --- extensions as stock FSDP2 runs them -------------------------------------------------------------
+
+@pytest.mark.parametrize("shard_dim", [0, 1])
+def test_extension_param_sharded_on_any_dim_matches_stock(shard_dim):
+    """Stock hands fsdp_post_all_gather each input chunk-catted along the shard dim; on dim 1
+    TIDE handed it the rank-major bytes (the weight off by up to 0.68, silently)."""
+    for rank, r in handled_ranks(2, f"shard_dim_{shard_dim}", groups=3, extension_groups=3):
+        assert r["weights_equal"], f"rank {rank}: the unsharded weights differ from stock's"
+        assert r["vs_stock"], f"rank {rank}: training differs from stock FSDP2"
+
+
+def test_extension_inner_tensors_are_freed_at_reshard_as_stock():
+    for rank, r in enumerate(results(2)["inner_tensors_freed"]):
+        assert "error" not in r, f"rank {rank}: {r}"
+        assert r["buckets"] == 3 and r["fallbacks"] == [], r
+        assert r["stock"]["resident"] == 0, r  # the reference frees them
+        assert r["tide_run"]["resident"] == 0, f"rank {rank}: inner tensors stay resident: {r}"
+        assert r["stock"]["stale"].startswith("RuntimeError"), r
+        assert r["tide_run"]["stale"].startswith("RuntimeError"), f"rank {rank}: a stale read passed: {r}"
+
+
+def test_enable_leaves_the_random_stream_as_stock():
+    """enable asks fsdp_pre_all_gather for the inputs' sizes once, a call stock does not make; an
+    extension drawing random numbers there must not shift the stream."""
+    for rank, r in handled_ranks(2, "rng_stream", groups=3, extension_groups=3):
+        assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
+
+
+def test_extension_methods_attached_after_enable_match_stock():
+    for rank, r in handled_ranks(2, "attached_after_enable", groups=3, extension_groups=3):
+        assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
+
+
+def test_empty_all_gather_input_matches_stock():
+    for rank, r in handled_ranks(2, "empty_input", groups=3, extension_groups=3):
+        assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
+
+
+def test_enable_on_a_module_holding_a_handled_group_names_that_group():
+    for rank, r in enumerate(results(2)["enable_twice"]):
+        text = r.get("error_text", "")
+        assert "param group 1 is already handled" in text and "<root>" in text, f"rank {rank}: {r}"
+
+
+@needs_torchao
+def test_float8_sharded_on_dim_1_matches_stock():
+    for rank, r in handled_ranks(2, "float8_shard_dim_1", groups=3, extension_groups=2):
+        assert r["tide"]["tide_casts"] == 0, r["tide"]  # dim 1: torchao's own cast (generic path)
+        assert r["vs_stock_on"], f"rank {rank}: differs from stock FSDP2 with fp8 all-gather on"
+
+
+@needs_torchao
+def test_float8_nan_weight_passes_the_first_all_gather_check():
+    for rank, r in enumerate(results(2)["float8_nan"]):
+        assert r.get("tide_casts") == 4 and r.get("error_text") == "", f"rank {rank}: {r}"
+
+
+def test_e4m3_comparison_takes_any_nan_for_a_nan():
+    from tide.fsdp._extension import _same_e4m3, _same_floats
+    a = torch.tensor([0x7F, 0x01, 0xFF, 0x80], dtype=torch.uint8)
+    assert _same_e4m3(a, torch.tensor([0xFF, 0x01, 0x7F, 0x80], dtype=torch.uint8))
+    assert not _same_e4m3(a, torch.tensor([0x7F, 0x02, 0xFF, 0x80], dtype=torch.uint8))
+    assert not _same_e4m3(a, torch.tensor([0x7E, 0x01, 0xFF, 0x80], dtype=torch.uint8))
+    nan = torch.tensor([float("nan")])
+    assert _same_floats(nan, -nan) and not _same_floats(nan, torch.tensor([1.0]))
+    assert not _same_floats(torch.tensor([0.0]), torch.tensor([-0.0]))

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from .. import _tide
 from . import _dispatch, _fallbacks, _fsdp2, _hooks
 from ._agreement import check_agreement
-from ._bucket import TORCH_TO_TIDE, Bucket, Counts
+from ._bucket import Bucket, Counts
+from ._dtypes import TORCH_TO_TIDE
 from ._extension import ExtensionGather, uses_extension
 from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
 from ._pool import WindowPool, size_classes
@@ -186,9 +187,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     wait_ms = timeout_ms or _tide.default_timeout_ms()
     for path, pg in groups:
         handling = next((fp._tide_bucket for fp in pg.fsdp_params if getattr(fp, "_tide_bucket", None)), None)
-        if handling is not None:  # named as the enable that handles it named it (its model's path)
-            raise ValueError(f"tide.fsdp.enable: param group {handling.path} is already handled by TIDE "
-                             "(tide.fsdp.enable was called on a module containing it)")
+        if handling is not None:
+            raise ValueError(f"tide.fsdp.enable: param group {path} is already handled by TIDE: an "
+                             "earlier tide.fsdp.enable on a module containing it (which named it "
+                             f"{handling.path}) handles it; call tide.fsdp.disable on that module first")
         state = _fsdp2.state_fallback_reason(pg)
         if state:
             raise ValueError(f"tide.fsdp.enable: param group {path} {state}")
@@ -207,6 +209,8 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
                 reason = _fallbacks.multi_node_reason(pg, param_name)
         # All-gather extensions: their inputs' layout (fsdp_pre_all_gather runs once here).
         gather = ExtensionGather(pg, param_name, topology) if not reason and uses_extension(pg) else None
+        if gather is not None and gather.layout is None:
+            gather, reason = None, "every fsdp_pre_all_gather input of the group is empty (nothing to gather)"
         decided.append((bucket_id, path, pg, group, topology, gather, reason))
         if group is not None and group.size() > 1:
             key = tuple(dist.get_process_group_ranks(group))
@@ -232,7 +236,7 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             log.warning("tide.fsdp: param group %s falls back to stock FSDP2: %s", path, reason)
             continue
         layout = _tide.BucketLayout(_specs(pg, param_name), topology)
-        bucket = Bucket(bucket_id, path, pg, group, layout, across_nodes, result._counts, gather)
+        bucket = Bucket(bucket_id, path, pg, group, layout, across_nodes, result._counts, param_name, gather)
         # FSDP2 may give each param group its own process-group object over the same ranks; TIDE
         # talks through windows, not the group, so those buckets share pools.
         by_ranks.setdefault((tuple(dist.get_process_group_ranks(group)), str(pg.device)), []).append(

@@ -6,25 +6,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
-from typing import TYPE_CHECKING, Callable, NamedTuple
+import json
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .. import _tide
 from . import _fsdp2
+from ._agreement import exchange
+from ._dtypes import TIDE_TO_TORCH, TORCH_TO_TIDE
+from ._extension import ExtensionGather, uses_extension
 from ._pool import WindowPool
 from ._window import WindowLease
-
-if TYPE_CHECKING:  # _extension imports this module
-    from ._extension import ExtensionGather
-
-TORCH_TO_TIDE = {torch.bfloat16: _tide.DType.bf16, torch.float16: _tide.DType.fp16,
-                 torch.float32: _tide.DType.fp32}
-# u8: the bytes of an all-gather extension's inputs (_extension.py), viewed as their dtypes there;
-# e4m3: a float8 weight TIDE casts (_float8.py).
-TIDE_TO_TORCH = {**{v: k for k, v in TORCH_TO_TIDE.items()}, _tide.DType.u8: torch.uint8,
-                 _tide.DType.e4m3: torch.float8_e4m3fn}
 
 
 class DeviceBytes:
@@ -74,7 +68,7 @@ def _profiled(label: Callable[[], str], cuda: bool) -> contextlib.ExitStack:
 class Bucket:
     def __init__(self, bucket_id: int, path: str, param_group: _fsdp2.FSDPParamGroup, group: dist.ProcessGroup,
                  layout: _tide.BucketLayout, across_nodes: _tide.AcrossNodesOptions, counts: Counts,
-                 gather: ExtensionGather | None = None) -> None:
+                 param_name: _fsdp2.ParamName, gather: ExtensionGather | None = None) -> None:
         self.id, self.path, self.param_group, self.group = bucket_id, path, param_group, group
         self.fsdp_params = list(param_group.fsdp_params)
         # The params with bytes, in layout order (layout.params[i] is laid_out[i]); a frozen
@@ -82,18 +76,14 @@ class Bucket:
         self.laid_out = [fp for fp in self.fsdp_params if _fsdp2.has_bytes(fp)]
         self.index = {id(p): i for i, p in enumerate(self.laid_out)}
         self.layout, self.across_nodes, self.counts = layout, across_nodes, counts
-        # The all-gather's layout: the params' own, or with all-gather extensions the inputs'
-        # (an _extension.ExtensionGather); the reduce-scatter's is always the params'.
-        self.gather = gather
-        self.gather_layout = gather.layout if gather is not None else layout
+        self.param_name = param_name
         self.rank = group.rank()
-        self.ag_program = _tide.plan_all_gather(self.gather_layout, self.rank, bucket_id, across_nodes)
+        self._set_gather(gather)
         # Across nodes the reduce-scatter stages partial sums after the bucket's window: a window
         # holds the larger of the two programs' windows (a subset's is never larger).
         self.window_bytes = max(self.ag_program.window_bytes,
                                 _tide.plan_reduce_scatter(layout, self.rank, _tide.ReduceOptions(),
                                                           bucket_id, across_nodes).window_bytes)
-        self.ag_bytes = sum(layout.world * p.slot_bytes for p in self.gather_layout.params)
         shard_numels = iter(p.shard_numel for p in layout.params)
         self.numels = [next(shard_numels) if _fsdp2.has_bytes(fp) else 0 for fp in self.fsdp_params]
         self.rs_programs: dict = {}
@@ -102,6 +92,46 @@ class Bucket:
         self.param_outputs: list[torch.Tensor] = []  # per layout param: its view of the fixed address
         self.all_gather_outputs: list[torch.Tensor] = []  # per FSDP param, what FSDP2 builds it from
         self.storage: _fsdp2.UnshardedStorage | None = None  # the outputs' storages, freed at reshard
+
+    def _set_gather(self, gather: ExtensionGather | None) -> None:
+        """The all-gather's layout and program: the params' own layout, or with all-gather
+        extensions the inputs' (an _extension.ExtensionGather); the reduce-scatter's is always the
+        params'. Which params have extensions is remembered: FSDP2 allows attaching them until its
+        lazy init (the first forward), which may come after enable."""
+        self.gather = gather
+        self.gather_layout = gather.layout if gather is not None else self.layout
+        self.ag_program = _tide.plan_all_gather(self.gather_layout, self.rank, self.id, self.across_nodes)
+        self.ag_bytes = sum(self.layout.world * p.slot_bytes for p in self.gather_layout.params)
+        self.extensions = [_fsdp2.has_extension(fp) for fp in self.fsdp_params]
+
+    def _follow_extensions(self) -> None:
+        """Before the bucket's first all-gather: if extension methods were attached to (or taken
+        from) its params since enable, as FSDP2 allows until its lazy init, the all-gather is laid
+        out again for them (every rank must agree; a layout that outgrows the bucket's window is
+        refused, naming the group)."""
+        if [_fsdp2.has_extension(fp) for fp in self.fsdp_params] == self.extensions:
+            return
+        gather = ExtensionGather(self.param_group, self.param_name, self.layout.topology) \
+            if uses_extension(self.param_group) else None
+        if gather is not None and gather.layout is None:
+            raise ValueError(f"tide.fsdp: param group {self.path}: extension methods attached after "
+                             "tide.fsdp.enable return only empty all-gather inputs; attach them "
+                             "before enable (the group then stays stock FSDP2)")
+        mine = json.dumps(gather.describe() if gather is not None else None)
+        theirs = exchange(self.group, f"extensions/{self.id}", mine, self.pool.timeout_ms or _tide.default_timeout_ms())
+        if any(t != mine for t in theirs):
+            raise _tide.DesyncError(
+                f"tide.fsdp: param group {self.path}: the ranks' all-gather extensions, attached after "
+                f"tide.fsdp.enable, differ: {theirs} (per group rank); attach the same on every rank")
+        previous = self.gather
+        self._set_gather(gather)
+        if self.ag_program.window_bytes > self.pool.window_bytes:
+            window_bytes = self.ag_program.window_bytes
+            self._set_gather(previous)
+            raise ValueError(
+                f"tide.fsdp: param group {self.path}: its all-gather extensions, attached after "
+                f"tide.fsdp.enable, need a {window_bytes} B window, more than the "
+                f"{self.pool.window_bytes} B enable sized; attach them before tide.fsdp.enable")
 
     def attach(self, pool: WindowPool) -> None:
         self.pool = pool
@@ -147,6 +177,8 @@ class Bucket:
                              "after tide.fsdp.enable; set it before enable (the group then stays stock)")
 
     def all_gather(self, stream: torch.cuda.Stream | None = None) -> _fsdp2.AllGatherResult:
+        if not self.param_outputs:
+            self._follow_extensions()
         window = self.lease.acquire_for_all_gather()
         self._ensure_param_outputs()
         event = None
@@ -219,7 +251,11 @@ class Bucket:
         for fp, out in zip(self.fsdp_params, self.all_gather_outputs):
             _fsdp2.set_all_gather_outputs(fp, [out])
 
-    def on_params_freed(self) -> None:
+    def on_param_freed(self, fp: _fsdp2.FSDPParam) -> None:
+        """FSDP2 frees param `fp`'s unsharded tensors (reshard): the window is vacated (at the
+        group's first param) and an extension's own inner tensors freed, as stock frees them."""
+        if self.gather is not None and self.storage is not None:
+            _fsdp2.free_inner_tensors(fp, self.storage)
         if not self.lease.vacate(self.storage):
             # FSDP2 frees unsharded params only after an all-gather built them: this one ran
             # without TIDE, so TIDE's window is not what the params are (or were) built on.

@@ -102,7 +102,7 @@ def free_unsharded_param(self: _fsdp2.FSDPParam) -> None:
     bucket = getattr(self, "_tide_bucket", None)
     if bucket is None:
         return _hooks.stock("free_unsharded_param")(self)
-    bucket.on_params_freed()
+    bucket.on_param_freed(self)
     return None
 
 

@@ -24,6 +24,7 @@ into the window from the high-precision shard and torchao's scale (_float8.py).
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -32,24 +33,68 @@ import torch.distributed as dist
 
 from .. import _tide
 from . import _float8, _fsdp2
-from ._bucket import TIDE_TO_TORCH, TORCH_TO_TIDE
+from ._dtypes import TIDE_TO_TORCH, TORCH_TO_TIDE
 
 
 def uses_extension(param_group: _fsdp2.FSDPParamGroup) -> bool:
     return any(_fsdp2.has_extension(fp) for fp in param_group.fsdp_params)
 
 
+def _probe_inputs(fp: _fsdp2.FSDPParam) -> list[torch.Tensor]:
+    """The param's all-gather inputs, asked once at enable to size the layout: stock FSDP2 does
+    not make this call, so what it draws from torch's random generators (an extension that rounds
+    stochastically) is given back, and the next all-gather sees the stream stock's would."""
+    device = _fsdp2.sharded_local_tensor(fp).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda"):
+        return _fsdp2.extension_inputs(fp)
+
+
+def _input_shape(fp: _fsdp2.FSDPParam, t: torch.Tensor, world: int, name: str) -> list[int]:
+    """The bytes of all-gather input `t` of param `fp` as one u8 param of the layout, shaped so that
+    TIDE's gather hands ``fsdp_post_all_gather`` what stock's copy-out does. On dim 0 that is the W
+    ranks' inputs back to back. On dim k > 0 stock views each rank's input as the param's padded
+    shard and concatenates the W of them along dim k (chunk-cat); the same shape in bytes (the
+    last dim times the element size, an element's bytes being adjacent there) sharded on dim k
+    makes TIDE place each rank's block where that concatenation puts it, in place."""
+    dim = _fsdp2.shard_dim(fp)
+    if dim == 0:
+        return [world * t.numel() * t.element_size()]
+    shard = list(_fsdp2.padded_shard_shape(fp))
+    if t.numel() != math.prod(shard):
+        raise ValueError(
+            f"tide.fsdp: {name}: fsdp_pre_all_gather returned an input of {t.numel()} elements for a "
+            f"param sharded on dim {dim}, expected the shard's {math.prod(shard)} ({shard}): FSDP2 "
+            "views every input of a param sharded on a dim > 0 as the shard to concatenate them")
+    shard[dim] *= world
+    shard[-1] *= t.element_size()
+    return shard
+
+
 class Entry:
-    """One all-gather input in the bucket's gather layout: which layout param holds it, its dtype
-    and its numel per rank."""
+    """One all-gather input in the bucket's gather layout: which layout param holds it (None for an
+    empty input: no slot), its dtype and its numel per rank."""
 
     __slots__ = ("index", "dtype", "numel")
 
-    def __init__(self, index: int, dtype: torch.dtype, numel: int) -> None:
+    def __init__(self, index: int | None, dtype: torch.dtype, numel: int) -> None:
         self.index, self.dtype, self.numel = index, dtype, numel
 
     def describe(self) -> list:
         return [str(self.dtype), self.numel]
+
+
+def _same_e4m3(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal e4m3 bytes, a NaN (S.1111.111, either sign) equal to any NaN: the sign of a NaN
+    cast from a NaN weight is not defined (torch's own CPU multiply gives either, by vector length)."""
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
+    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
+
+
+def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal fp32 tensors, a NaN equal to any NaN (a NaN weight's amax makes a NaN scale)."""
+    nan_a, nan_b = a.isnan(), b.isnan()
+    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a].view(torch.int32), b[~nan_b].view(torch.int32))
 
 
 class ExtensionGather:
@@ -66,8 +111,8 @@ class ExtensionGather:
                              for fp in self.fsdp_params]
         self.unchecked = any(why == "" for why in self.why_not_cast)  # the first all-gather compares
         specs = []
-        for i, fp in enumerate(param_group.fsdp_params):
-            name = param_name(fp, i)
+        self.names = [param_name(fp, i) for i, fp in enumerate(self.fsdp_params)]
+        for i, (fp, name) in enumerate(zip(self.fsdp_params, self.names)):
             if self.why_not_cast[i] == "":  # e4m3 over the unsharded shape: FSDP2's rank-major output
                 shard = _float8.shard(fp)
                 self.entries.append([Entry(len(specs), _float8.E4M3, shard.numel())])
@@ -81,13 +126,16 @@ class ExtensionGather:
                                              TORCH_TO_TIDE[orig], shard_dim=_fsdp2.shard_dim(fp)))
                 continue
             entries = []
-            for j, t in enumerate(_fsdp2.extension_inputs(fp)):
+            for j, t in enumerate(_probe_inputs(fp)):
+                if t.numel() == 0:  # nothing to gather: its output is an empty tensor of its own
+                    entries.append(Entry(None, t.dtype, 0))
+                    continue
                 entries.append(Entry(len(specs), t.dtype, t.numel()))
-                nbytes = self.world * t.numel() * t.element_size()
-                specs.append(_tide.ParamSpec(f"{name}[all_gather_input {j}]", [nbytes],
-                                             _tide.DType.u8, _tide.DType.u8, shard_dim=0))
+                specs.append(_tide.ParamSpec(f"{name}[all_gather_input {j}]", _input_shape(fp, t, self.world, name),
+                                             _tide.DType.u8, _tide.DType.u8, shard_dim=_fsdp2.shard_dim(fp)))
             self.entries.append(entries)
-        self.layout = _tide.BucketLayout(specs, topology)
+        # None: every input is empty, nothing to gather (the group falls back: enable)
+        self.layout = _tide.BucketLayout(specs, topology) if specs else None
 
     def describe(self) -> list:
         """What every rank must agree on (enable's identity check), per param: its all-gather
@@ -120,10 +168,12 @@ class ExtensionGather:
             want = [(e.dtype, e.numel) for e in entries]
             if got != want:
                 raise RuntimeError(
-                    f"tide.fsdp: {self.layout.params[entries[0].index].name}: fsdp_pre_all_gather "
+                    f"tide.fsdp: {self.names[i]}: fsdp_pre_all_gather "
                     f"returned inputs {got} (dtype, numel), expected {want} as at tide.fsdp.enable "
                     "(FSDP2 too allocates its all-gather outputs once, from the first all-gather)")
             for t in inputs:
+                if t.numel() == 0:  # no slot (its output is an empty tensor)
+                    continue
                 if not t.is_contiguous():  # FSDP2 flattens with view(-1): contiguous already
                     raise RuntimeError(f"tide.fsdp: an all-gather input of {_fsdp2.local_tensor_type(fp)} "
                                        "is not contiguous")
@@ -162,8 +212,7 @@ class ExtensionGather:
             e = entries[0]
             data, s = _float8.torchao_cast(fp)
             mine = self.outputs[i][0][rank * e.numel:(rank + 1) * e.numel]
-            same = torch.equal(mine.view(torch.uint8), data.reshape(-1).view(torch.uint8))
-            if not same or not torch.equal(self.scales[e.index].view(torch.int32), s.view(torch.int32)):
+            if not (_same_e4m3(mine, data.reshape(-1)) and _same_floats(self.scales[e.index], s)):
                 differ.append(self.layout.params[e.index].name)
         # The group's backend carries the flag: NCCL a device tensor, gloo a host one.
         device = self.outputs[0][0].device if "nccl" in str(dist.get_backend(group)) else "cpu"
@@ -186,7 +235,9 @@ class ExtensionGather:
         input's dtype) from `raw`, the bucket's per-layout-param tensors over its fixed address:
         the same tensor objects every step, so ``fsdp_post_all_gather(out=...)`` finds the outputs
         its first call wrapped."""
-        self.outputs = [[raw[e.index].view(e.dtype) for e in entries] for entries in self.entries]
+        self.outputs = [[raw[e.index].view(e.dtype) if e.index is not None
+                         else torch.empty(0, dtype=e.dtype, device=raw[0].device) for e in entries]
+                        for entries in self.entries]
 
     def copy_out(self, fsdp_params: list[_fsdp2.FSDPParam]) -> None:
         """Nothing to copy: each param's all-gather outputs are its window views (set once)."""

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from .. import _tide
 from . import _fsdp2, _hooks
-from ._bucket import TORCH_TO_TIDE, Bucket
+from ._bucket import Bucket
+from ._dtypes import TORCH_TO_TIDE
 
 
 def group_reason(param_group: _fsdp2.FSDPParamGroup, group: dist.ProcessGroup | None,

@@ -363,6 +363,7 @@ class UnshardedStorage:
     def __init__(self, outputs: list):
         self.outputs = outputs
         self.storages = [t.untyped_storage() for t in outputs]
+        self.ids = {s._cdata for s in self.storages}  # their StorageImpls, which views share
         # The other side of each swap: empty while the output is live, the output's bytes while not.
         self.aside = [torch.UntypedStorage(0, device=t.device) for t in outputs] if self.SWAP else []
         self.versions: list = []
@@ -392,6 +393,18 @@ class UnshardedStorage:
             self._swap()
         else:
             torch._C._autograd._unsafe_set_version_counter(tuple(self.outputs), tuple(self.versions))
+
+
+def free_inner_tensors(fp, window: UnshardedStorage) -> None:
+    """Frees what stock's ``free_unsharded_param`` frees beside the all-gather outputs: the tensors
+    an extension's ``fsdp_post_all_gather`` returned as its inner tensors (an upcast copy, say),
+    their storages resized to 0 as stock's ``free_storage`` does; stock's ``init_unsharded_param``
+    re-allocates them at the next all-gather. Those that view the window's outputs are `window`'s
+    to release."""
+    for t in fp._unsharded_inner_tensors:
+        storage = t.untyped_storage()
+        if storage._cdata not in window.ids and storage.size() != 0:
+            storage.resize_(0)
 
 
 def forget_unsharded(fp) -> None:

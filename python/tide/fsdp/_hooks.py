@@ -7,7 +7,7 @@ two-line dispatcher (``_DISPATCH[name](*args, **kwargs)``) and keeps a clone of 
 Every reference then reaches TIDE: FSDP2's module global, a wrapper's captured original (installed
 before TIDE or after), and a restored original. TIDE is never half-on. What it cannot see is code
 that replaces a function with one that never calls the original; the bucket notices
-(``_bucket.Bucket.owns`` and ``on_params_freed``) and raises. docs/ARCHITECTURE.md says why this design.
+(``_bucket.Bucket.owns`` and ``on_param_freed``) and raises. docs/ARCHITECTURE.md says why this design.
 """
 
 from __future__ import annotations
