@@ -88,7 +88,7 @@ stage_python() {
     (cd /tmp && timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider \
        "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
        "$ROOT/tests/python/test_fsdp.py" "$ROOT/tests/python/test_fsdp_lifetime.py" \
-       "$ROOT/tests/python/test_bench_cli.py" -k "${parts[$i]}") \
+       "$ROOT/tests/python/test_bench_cli.py" "$ROOT/tests/python/test_fsdp_cuda_graphs.py" -k "${parts[$i]}") \
       >"$OUT/gate_python_$i.log" 2>&1 &
     pids+=($!)
   done

@@ -63,6 +63,11 @@ fi
 # dependencies. A failed install (no network) does not stop the tests.
 "$PY" -c "import torchao" 2>/dev/null || "$PY" -m pip install -q "torchao>=0.17" 2>/dev/null ||
   echo "   torchao not installed (pip failed): the float8 and NF4 extension tests skip"
+# transformers and accelerate: optional too (tests/python/test_huggingface.py skips without them);
+# the versions of pyproject.toml's [hf] extra. Their own dependencies are small wheels.
+"$PY" -c "import transformers, accelerate" 2>/dev/null ||
+  "$PY" -m pip install -q "transformers>=5.25" "accelerate>=1.16" 2>/dev/null ||
+  echo "   transformers/accelerate not installed (pip failed): the Hugging Face tests skip"
 "$PY" -c "import torch; print('   torch', torch.__version__)"
 
 echo "== C++: configure, build, ctest"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # torchtitan as a TIDE client, on CPU: makes a venv with torch 2.13.0, torchtitan 0.3.0 and triton
 # (torchtitan imports it unconditionally), installs TIDE into it, and runs tests/python/test_torchtitan.py
-# (torchtitan's own trainer, llama3 debug model, W = 2 over gloo, stock vs TIDE under the
-# partial_dtensor and full_dtensor backends, bitwise).
+# (torchtitan's own trainer, llama3 debug model, W = 2 over gloo, `--module llama3` vs
+# `--module tide.torchtitan`, bitwise). CI runs it (.ci/run).
 # Environment: TITAN_VENV (default .venv-titan in the repo), PYTHON (default python3),
 # TIDE_TITAN_STEPS (default 20 here; the test's own default is 10).
 set -euo pipefail

@@ -1,13 +1,17 @@
-"""torchtitan as a client of TIDE: torchtitan 0.3.0's own trainer (torchtitan.train.main), llama3
-debug model, W = 2 CPU ranks over gloo, stock FSDP2 vs TIDE turned on by the hook a user adds
-(examples/torchtitan/tide_hook.py), under both DTensor backends. At FSDP degree 2 with fp32 the two
-runs must agree bitwise: every step's loss and gradient norm, and the final parameters (with bf16
-params too: at W = 2 each reduced element is one fp32 sum of two, the same on both paths). And a
-checkpoint saved and resumed (torchtitan loads it after the hook enabled TIDE), against stock's.
+"""torchtitan as a client of TIDE: torchtitan 0.3.0's own trainer (torchtitan.train.main) on W = 2
+CPU ranks over gloo, with the command line a user gives it: stock FSDP2 (``--module llama3``) vs
+TIDE (``--module tide.torchtitan``, the same ``--config``). At FSDP degree 2 with fp32 the two runs
+must agree bitwise: every step's loss and gradient norm, and the final parameters (with bf16 params
+too: at W = 2 each reduced element is one fp32 sum of two, the same on both paths). Cases: the debug
+model under both DTensor backends; bf16 params with FSDP2's PREMUL_SUM as on GPUs; torchtitan's
+float8 converter (its rowwise recipe, emulated on CPU: torchtitan 0.3.0 has no fp8 all-gather, so
+its float8 weights are plain params to FSDP2); and a checkpoint saved and resumed (torchtitan loads
+it after TIDE is enabled), against stock's.
 
-Skips unless torchtitan 0.3.0 and triton are installed (CI does not install them):
-scripts/torchtitan_check.sh makes a venv with them and runs this file. tests/python/torchtitan_cpu.py
-holds the CPU-only shims torchtitan itself needs; TIDE_TITAN_STEPS sets the steps (default 10).
+Skips unless torchtitan 0.3.0 and triton are installed (``pip install .[torchtitan]``;
+scripts/torchtitan_check.sh makes a venv with them and runs this file, as CI does).
+tests/python/torchtitan_cpu.py holds the CPU-only shims torchtitan itself needs; TIDE_TITAN_STEPS
+sets the steps (default 10).
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ def _skip_reason() -> str:
 pytestmark = pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "-")
 
 STEPS = int(os.environ.get("TIDE_TITAN_STEPS", "10"))
-# (spmd backend, FSDP2 param dtype, TIDE's config): fp32 under both DTensor backends; then what a
-# GPU user runs (torchtitan's defaults: bf16 params, FSDP2's PREMUL_SUM reduce op, which gloo lacks,
-# so only TIDE's run keeps it, against stock's force-sum SUM: the same sums at a factor of 1.0).
-CASES = [("partial_dtensor", "float32", "llama3_debugmodel_tide"),
-         ("full_dtensor", "float32", "llama3_debugmodel_tide"),
-         ("full_dtensor", "bfloat16", "llama3_debugmodel_tide_premul")]
+# (spmd backend, FSDP2 param dtype, config, TIDE keeps FSDP2's PREMUL_SUM): fp32 under both DTensor
+# backends; what a GPU user runs (bf16 params, FSDP2's PREMUL_SUM reduce op, which gloo lacks, so
+# only TIDE's run keeps it, against stock's force-sum SUM: the same sums at a factor of 1.0); float8.
+CASES = [("partial_dtensor", "float32", "llama3_debugmodel", False),
+         ("full_dtensor", "float32", "llama3_debugmodel", False),
+         ("full_dtensor", "bfloat16", "llama3_debugmodel", True),
+         ("full_dtensor", "float32", "llama3_debugmodel_float8", False)]
+CASE_IDS = ["partial_dtensor-float32", "full_dtensor-float32", "full_dtensor-bfloat16-premul", "float8"]
 
 
 @pytest.fixture(scope="module")
@@ -54,32 +60,32 @@ def assets(tmp_path_factory):
     return torchtitan_cpu.make_assets(str(tmp_path_factory.mktemp("torchtitan_assets")))
 
 
-def run_titan(tmp_path, assets, config: str, backend: str, dtype: str, steps: int = STEPS,
-              checkpoint: str = "") -> list[dict]:
+def run_titan(tmp_path, assets, module: str, config: str, backend: str, dtype: str, steps: int = STEPS,
+              checkpoint: str = "", premul: bool = False) -> list[dict]:
     """torchtitan.train on 2 ranks (torchrun); each rank's record (losses, grad norms as float.hex,
     a hash of its parameter shards, TIDE's handle). checkpoint: a folder to save every
     `steps` steps to and to resume from (torchtitan loads the latest step there)."""
     tokenizer, data = assets
-    out = tmp_path / f"{config}-{backend}-{dtype}-{steps}"
+    out = tmp_path / f"{module}-{config}-{backend}-{dtype}-{steps}"
     dump = tmp_path / (checkpoint or "dump")
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(steps)] if checkpoint else ["--checkpoint.no-enable"]
-    env = dict(os.environ, TIDE_TITAN_OUT=str(out), PYTHONPATH=HERE, HF_HOME=str(tmp_path / "hf"),
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, TIDE_TITAN_OUT=str(out), HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1",
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TIDE_TITAN_FORCE_SUM="0" if premul else "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "torchtitan_cpu.py"), "--module", "torchtitan_cpu", "--config", config,
+           os.path.join(HERE, "torchtitan_cpu.py"), "--module", module, "--config", config,
            "--hf_assets_path", tokenizer, "--dataloader.dataset_path", data,
            "--parallelism.spmd_backend", backend, "--training.mixed_precision_param", dtype,
            "--training.steps", str(steps), "--training.seq_len", "256", "--training.local_batch_size", "2",
            "--debug.seed", "42", "--validator.no-enable", "--dump_folder", str(dump), *ckpt]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchtitan {config} {backend} {dtype} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, f"torchtitan {module} {config} {backend} {dtype} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return [json.loads((tmp_path / f"{out.name}.rank{r}").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("backend,dtype,tide_config", CASES, ids=["-".join(c[:2]) for c in CASES])
-def test_torchtitan_tide_matches_stock(tmp_path, assets, backend, dtype, tide_config):
-    stock = run_titan(tmp_path, assets, "llama3_debugmodel_stock", backend, dtype)
-    tide = run_titan(tmp_path, assets, tide_config, backend, dtype)
+@pytest.mark.parametrize("backend,dtype,config,premul", CASES, ids=CASE_IDS)
+def test_torchtitan_tide_matches_stock(tmp_path, assets, backend, dtype, config, premul):
+    stock = run_titan(tmp_path, assets, "llama3", config, backend, dtype)
+    tide = run_titan(tmp_path, assets, "tide.torchtitan", config, backend, dtype, premul=premul)
     for rank in range(2):
         s, t = stock[rank], tide[rank]
         assert "tide" not in s
@@ -104,11 +110,13 @@ def assert_same(stock, tide, steps):
 def test_torchtitan_checkpoint_resume(tmp_path, assets):
     """TIDE is enabled before torchtitan loads a checkpoint, which copies into the sharded
     parameters TIDE recorded: save at step 3, resume to step 6, stock vs TIDE, bitwise."""
-    for config in ("llama3_debugmodel_stock", "llama3_debugmodel_tide"):
-        first = run_titan(tmp_path, assets, config, "partial_dtensor", "float32", 3, f"ckpt-{config}")
-        assert (tmp_path / f"ckpt-{config}" / "checkpoint" / "step-3").is_dir()
-        resumed = run_titan(tmp_path, assets, config, "partial_dtensor", "float32", 6, f"ckpt-{config}")
-        if config.endswith("stock"):
+    for module in ("llama3", "tide.torchtitan"):
+        first = run_titan(tmp_path, assets, module, "llama3_debugmodel", "partial_dtensor", "float32", 3,
+                          f"ckpt-{module}")
+        assert (tmp_path / f"ckpt-{module}" / "checkpoint" / "step-3").is_dir()
+        resumed = run_titan(tmp_path, assets, module, "llama3_debugmodel", "partial_dtensor", "float32", 6,
+                            f"ckpt-{module}")
+        if module == "llama3":
             stock = (first, resumed)
     assert_same(stock[0], first, 3)
     assert_same(stock[1], resumed, 3)  # steps 4-6, after the load

@@ -1,16 +1,17 @@
-"""Runs torchtitan 0.3.0's own trainer (torchtitan.train.main) on CPU ranks over gloo, stock FSDP2
-or with TIDE through examples/torchtitan/tide_hook.py, and writes what it saw as JSON.
+"""Runs torchtitan 0.3.0's own trainer (torchtitan.train.main) on CPU ranks over gloo, with the
+command line a user gives it, stock FSDP2 or with TIDE (``--module tide.torchtitan``), and writes
+what it saw as JSON.
 
     TIDE_TITAN_OUT=out.json python -m torch.distributed.run --standalone --nproc_per_node 2 \
-        tests/python/torchtitan_cpu.py --module torchtitan_cpu --config llama3_debugmodel_tide ...
+        tests/python/torchtitan_cpu.py --module tide.torchtitan --config llama3_debugmodel ...
 
-TEST-ONLY. The "CPU shims" (1-2 below, 3-4 in cpu_config) exist because torchtitan 0.3.0 itself
-(TIDE off too) assumes a GPU; none of them is part of the hook a torchtitan user adds
-(tide_hook.with_tide), none touches TIDE, and stock and TIDE runs get the same ones. The driver
-only records (losses, gradient norms, a hash of the final parameter shards, TIDE's handle); it
-changes nothing. `make_assets` writes the small tokenizer and text data set that
-torchtitan's debug config reads from its source tree's tests/assets (not in the wheel), since
-nothing can be downloaded here.
+TEST-ONLY. The "CPU shims" (1-2 below at import, 3-5 applied to whatever config --module/--config
+loads) exist because torchtitan 0.3.0 itself (TIDE off too) assumes a GPU; none of them touches
+TIDE, and stock and TIDE runs get the same ones. TIDE_TITAN_FORCE_SUM=0 leaves out shim 4 (only
+for runs where TIDE takes every reduce-scatter). The driver only records (losses, gradient norms,
+a hash of the final parameter shards, TIDE's handle); it changes nothing else. `make_assets`
+writes the small tokenizer and text data set that torchtitan's debug config reads from its source
+tree's tests/assets (not in the wheel), since nothing can be downloaded here.
 """
 
 from __future__ import annotations
@@ -20,13 +21,10 @@ import hashlib
 import json
 import os
 import random
-import sys
 
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "torchtitan"))
 
 # ---------------------------------------------------------------------------------------- CPU shims
 # 1. torchtitan.tools.utils picks its device at import: torch._utils._get_available_device_type()
@@ -78,7 +76,7 @@ if not hasattr(dist, "set_timeout"):
 
 
 def cpu_config(config, force_sum: bool = True):
-    """The debug config's model on CPU: 3. SDPA in place of FlexAttention (which has no backward on
+    """The loaded config's model on CPU: 3. SDPA in place of FlexAttention (which has no backward on
     CPU), 4. force-sum reduction (torchtitan sets FSDP2's gradient divide factor to 1.0, and FSDP2
     then reduce-scatters with PREMUL_SUM(1.0), which gloo lacks; SUM with no division is the same).
     force_sum=False keeps PREMUL_SUM, as on GPUs: only runs where TIDE takes every reduce-scatter."""
@@ -106,25 +104,28 @@ def cpu_config(config, force_sum: bool = True):
     return config
 
 
-# ----------------------------------------------------------------------- the configs the test runs
-def llama3_debugmodel_stock():
-    from torchtitan.models.llama3 import config_registry as llama3
+def install_config_shims() -> None:
+    """3-4 on the config torchtitan loads from --module/--config (its ConfigManager._load_config),
+    and 5. float8 emulation: torchtitan's float8 converter refuses a machine without SM89 unless
+    ``emulate`` (torchao's float8 matmuls in high precision), which it sets on CPU."""
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+    from torchtitan.config.manager import ConfigManager
 
-    return cpu_config(llama3.llama3_debugmodel())
+    load = ConfigManager._load_config
+    force_sum = os.environ.get("TIDE_TITAN_FORCE_SUM", "1") != "0"
 
+    def load_for_cpu(self, args):
+        config, rest = load(self, args)
+        return cpu_config(config, force_sum), rest
 
-def llama3_debugmodel_tide():
-    import tide_hook  # examples/torchtitan: what a user adds
+    init = Float8LinearConverter.__init__
 
-    return cpu_config(tide_hook.llama3_debugmodel())
+    def init_emulated(self, config):
+        config.emulate, config.model_compile_enabled = True, False
+        init(self, config)
 
-
-def llama3_debugmodel_tide_premul():
-    """TIDE with FSDP2's reduce op as on GPUs (PREMUL_SUM(1 / 1.0)): gloo never sees it, since TIDE
-    runs every reduce-scatter; compared with the stock run, which needs force-sum on gloo."""
-    import tide_hook
-
-    return cpu_config(tide_hook.llama3_debugmodel(), force_sum=False)
+    ConfigManager._load_config = load_for_cpu
+    Float8LinearConverter.__init__ = init_emulated
 
 
 # --------------------------------------------------------------------------------------- test data
@@ -156,7 +157,7 @@ def make_assets(root: str, vocab: int = 2000, docs: int = 400, seed: int = 0) ->
 
 # ------------------------------------------------------------------------------------------ driver
 def main():
-    sys.modules.setdefault("torchtitan_cpu", sys.modules["__main__"])  # --module torchtitan_cpu
+    install_config_shims()
     from torchtitan import train
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.trainer import Trainer

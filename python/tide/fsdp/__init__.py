@@ -188,9 +188,12 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     for path, pg in groups:
         handling = next((fp._tide_bucket for fp in pg.fsdp_params if getattr(fp, "_tide_bucket", None)), None)
         if handling is not None:
-            raise ValueError(f"tide.fsdp.enable: param group {path} is already handled by TIDE: an "
-                             "earlier tide.fsdp.enable on a module containing it (which named it "
-                             f"{handling.path}) handles it; call tide.fsdp.disable on that module first")
+            # Each enable names groups by their path under the module it was given: the one that
+            # is not the group's own root ("<root>") says where it is.
+            name = path if handling.path == "<root>" else handling.path
+            raise ValueError(f"tide.fsdp.enable: param group {name} is already handled by TIDE (an "
+                             "earlier tide.fsdp.enable on a module containing it); call "
+                             "tide.fsdp.disable on that module first")
         state = _fsdp2.state_fallback_reason(pg)
         if state:
             raise ValueError(f"tide.fsdp.enable: param group {path} {state}")

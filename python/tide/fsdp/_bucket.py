@@ -65,6 +65,18 @@ def _profiled(label: Callable[[], str], cuda: bool) -> contextlib.ExitStack:
     return stack
 
 
+def refuse_capture(path: str, collective: str) -> None:
+    """A CUDA graph capture reaching a TIDE collective is refused, naming the group: the executor
+    would record this run's epochs and flag values, which a replay repeats (CudaExecutor::run
+    refuses it too, without the group's name)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"tide.fsdp: param group {path}: its {collective} was reached while a CUDA graph is "
+            "being captured; TIDE's collectives cannot be captured yet. Run the step eagerly "
+            "(torchtitan: --training.disable_cuda_graphs, which tide.torchtitan sets), or "
+            "tide.fsdp.disable(model) to capture with stock FSDP2")
+
+
 class Bucket:
     def __init__(self, bucket_id: int, path: str, param_group: _fsdp2.FSDPParamGroup, group: dist.ProcessGroup,
                  layout: _tide.BucketLayout, across_nodes: _tide.AcrossNodesOptions, counts: Counts,
@@ -177,6 +189,8 @@ class Bucket:
                              "after tide.fsdp.enable; set it before enable (the group then stays stock)")
 
     def all_gather(self, stream: torch.cuda.Stream | None = None) -> _fsdp2.AllGatherResult:
+        if self.cuda:
+            refuse_capture(self.path, "all-gather")
         if not self.param_outputs:
             self._follow_extensions()
         window = self.lease.acquire_for_all_gather()
@@ -339,6 +353,7 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
         try:
             with _profiled(lambda: f"tide::reduce_scatter {bucket.path} ({nbytes} B)", bucket.cuda):
                 if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
+                    refuse_capture(bucket.path, "reduce-scatter")
                     stream = torch.cuda.current_stream(bucket.pool.device)
                     window.use_on(stream)
                     window.run(program, inputs, outputs)

@@ -70,6 +70,20 @@ def _input_shape(fp: _fsdp2.FSDPParam, t: torch.Tensor, world: int, name: str) -
     return shard
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """An all-gather input as the program reads it: its bytes at data_ptr(). A tensor subclass that
+    runs its ops in ``__torch_dispatch__`` (a wrapper such as TwoTensor, e.g. an
+    ``fsdp_pre_all_gather`` returning ``self`` or ``self.to(dtype)``) has no storage of its own
+    (data_ptr() 0): it is copied into a plain tensor by its own copy_, as stock FSDP2's copy-in
+    (``_foreach_copy_`` into the flat all-gather input) does. A plain tensor is read in place."""
+    if not torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+        return t
+    plain = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        plain.copy_(t)
+    return plain
+
+
 class Entry:
     """One all-gather input in the bucket's gather layout: which layout param holds it (None for an
     empty input: no slot), its dtype and its numel per rank."""
@@ -177,7 +191,7 @@ class ExtensionGather:
                 if not t.is_contiguous():  # FSDP2 flattens with view(-1): contiguous already
                     raise RuntimeError(f"tide.fsdp: an all-gather input of {_fsdp2.local_tensor_type(fp)} "
                                        "is not contiguous")
-                shards.append(t)
+                shards.append(_plain(t))
         return shards
 
     def _check_cast_input(self, fp, entry: Entry, shard: torch.Tensor, scale: torch.Tensor) -> None:
