@@ -90,7 +90,8 @@ run_tests() {
 }
 
 # What compute-sanitizer checks: every GPU test that runs in one process (ranks as threads, or a
-# single rank), each as "gtest filter|environment|tests it must pass|tools" (no tools: all three).
+# single rank), each as "gtest filter|environment|tests it must pass|tools|runs" (no tools: all
+# three; no runs: 1).
 # Tests whose ranks are fork()ed processes cannot run under it (docs/testing.md names them and why).
 SANITIZER_CASES=(
   # one rank: the kernels' vector, scalar and tail paths, AG and RS with accumulate
@@ -102,37 +103,66 @@ SANITIZER_CASES=(
   # it spins on flags its peers' kernels write, and the sanitizer runs one kernel at a time. Not
   # under synccheck: it checks barriers, and the kernels this case runs (cast, copy, reduce) have
   # none; under it the ranks' stream waits on each other did not finish in 300 s (H200). Under
-  # memcheck this case has hung the same way once in four runs (the others passed in under 10 s):
-  # a hang here fails the stage after SANITIZER_TIMEOUT; rerun it before suspecting the product.
-  # The cast-to-peers kernel's barriers are checked by the next case.
-  "CudaCollectives.RanksAsThreadsOfOneProcess|TIDE_CUDA_CAST_TO_PEERS=0|1|memcheck racecheck"
+  # memcheck this case has hung (2 of 6 runs once, passes take under 10 s), so it runs 10 times, and
+  # a run still going after SANITIZER_STACKS_AFTER seconds has every thread's stack written to $OUT
+  # before SANITIZER_TIMEOUT ends it. The cast-to-peers kernel's barriers are checked by the next case.
+  "CudaCollectives.RanksAsThreadsOfOneProcess|TIDE_CUDA_CAST_TO_PEERS=0|1|memcheck racecheck|10"
   # the cast-to-peers kernel itself: one rank's kernel stuck on a flag, released by the watchdog (its
   # peers run no kernel), in both outcomes (DesyncError, TimeoutError)
   "CudaCollectives.AStuckCastToPeersKernelTimesOutLikeAStreamWait||1"
 )
 
+# Every thread's stack of the processes running the GPU tests (the sanitizer and its target), with
+# cuda-gdb or gdb, into $1 (a hang's evidence).
+dump_stacks() {
+  local debugger pid
+  debugger=$(command -v cuda-gdb || command -v gdb) || { echo "no cuda-gdb or gdb: no stacks" >"$1"; return; }
+  for pid in $(pgrep -f "tide_gpu_tests --gtest_filter"); do
+    echo "=== pid $pid: $(tr '\0' ' ' </proc/"$pid"/cmdline)"
+    timeout 60 "$debugger" -p "$pid" -batch -ex "info threads" -ex "thread apply all bt" 2>&1
+  done >"$1"
+}
+
+# Runs "$@" with its output in $1; past SANITIZER_STACKS_AFTER seconds, dumps the stacks to
+# $1.stacks once (the command's own timeout then ends it). Returns its exit status.
+run_watched() {
+  local log=$1 waited=0 pid; shift
+  "$@" >"$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if (( ++waited == ${SANITIZER_STACKS_AFTER:-60} )); then
+      say "still running after $waited s: stacks to $log.stacks"
+      dump_stacks "$log.stacks"
+    fi
+  done
+  wait "$pid"
+}
+
 run_sanitizer() {
   # racecheck checks shared-memory hazards, synccheck barriers; memcheck is the one that matters
   # when time is short (SANITIZER_TOOLS="memcheck").
-  local tool entry filter env want tools rc log
+  local tool entry filter env want tools runs run rc log
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
     for entry in "${SANITIZER_CASES[@]}"; do
-      IFS='|' read -r filter env want tools <<<"$entry"
+      IFS='|' read -r filter env want tools runs <<<"$entry"
       [[ -z "$tools" || " $tools " == *" $tool "* ]] || continue
-      log="$OUT/sanitizer_${tool}_${filter%%:*}.log"
-      say "compute-sanitizer --tool $tool $filter ${env}"
-      # TIDE_GPU_TEST_IN_PROCESS: the single "process" of a test runs in this one (a fork()ed
-      # child never finished under the sanitizer).
-      # shellcheck disable=SC2086
-      env TIDE_GPU_TEST_IN_PROCESS=1 $env timeout ${SANITIZER_TIMEOUT:-120} \
-        compute-sanitizer --tool "$tool" --error-exitcode 3 \
-        "$BIN/tide_gpu_tests" --gtest_filter="$filter" >"$log" 2>&1
-      rc=$?
-      # A skipped test exits 0 but checked nothing.
-      grep -q "PASSED  \] $want tests\?\." "$log" || { [[ $rc == 0 ]] && rc=4; }
-      tail -4 "$log" | tee -a "$LOG"
-      say "compute-sanitizer $tool $filter exit $rc"
-      [[ $rc == 0 ]] || status=1
+      for ((run = 1; run <= ${runs:-1}; ++run)); do
+        log="$OUT/sanitizer_${tool}_${filter%%:*}.log"
+        say "compute-sanitizer --tool $tool $filter ${env} (run $run of ${runs:-1})"
+        # TIDE_GPU_TEST_IN_PROCESS: the single "process" of a test runs in this one (a fork()ed
+        # child never finished under the sanitizer).
+        # shellcheck disable=SC2086
+        run_watched "$log" env TIDE_GPU_TEST_IN_PROCESS=1 $env timeout ${SANITIZER_TIMEOUT:-120} \
+          compute-sanitizer --tool "$tool" --error-exitcode 3 \
+          "$BIN/tide_gpu_tests" --gtest_filter="$filter"
+        rc=$?
+        # A skipped test exits 0 but checked nothing.
+        grep -q "PASSED  \] $want tests\?\." "$log" || { [[ $rc == 0 ]] && rc=4; }
+        tail -4 "$log" | tee -a "$LOG"
+        say "compute-sanitizer $tool $filter exit $rc"
+        [[ $rc == 0 ]] || { status=1; cp "$log" "$log.run$run"; }
+      done
     done
   done
 }

@@ -107,10 +107,6 @@ double median(std::vector<double> v) {
   return n == 0 ? 0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
 }
 
-cuda_kernels::ElementType element_type(DType d) {
-  return static_cast<cuda_kernels::ElementType>(static_cast<int>(d));
-}
-
 DeviceMemory::DeviceMemory(std::size_t bytes) {
   BCHECK(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 256)));
 }

@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "bench_kernels.cuh"
-#include "kernels.cuh"
 #include "tide/cuda.hpp"
 #include "tide/tide.hpp"
 
@@ -90,7 +89,6 @@ extern thread_local bool ranks_are_threads;
 // The rank's GPU, made current, with the test-data kernels loaded.
 void select_device(int rank);
 double median(std::vector<double> v);
-cuda_kernels::ElementType element_type(DType d);
 
 struct DeviceMemory {
   void* ptr = nullptr;

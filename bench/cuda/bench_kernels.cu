@@ -1,22 +1,44 @@
 #include "bench_kernels.cuh"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
-
-#include "convert.cuh"
+#include <type_traits>
 
 namespace tide::bench {
 namespace {
 
-using cuda_kernels::Element;
-using cuda_kernels::ElementType;
+// The element types the test data and the checks use, converted with CUDA's own round-to-nearest-
+// even conversions (tide/dtype.hpp: TIDE's round as these do; the data is finite, never NaN).
+template <DType T>
+struct Element;
+template <>
+struct Element<DType::kBF16> {
+  using Storage = uint16_t;
+  static __device__ float to_float(Storage s) { return __bfloat162float(__ushort_as_bfloat16(s)); }
+  static __device__ Storage from_float(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+template <>
+struct Element<DType::kFP16> {
+  using Storage = uint16_t;
+  static __device__ float to_float(Storage s) { return __half2float(__ushort_as_half(s)); }
+  static __device__ Storage from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+template <>
+struct Element<DType::kFP32> {
+  using Storage = float;
+  static __device__ float to_float(Storage s) { return s; }
+  static __device__ Storage from_float(float v) { return v; }
+};
 
-template <ElementType T>
+template <DType T>
 __global__ void fill_random_kernel(void* buffer, int64_t count, uint64_t seed) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < count;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    cuda_kernels::store_scalar<T>(buffer, k, random_value(seed, k));
+    static_cast<typename Element<T>::Storage*>(buffer)[k] = Element<T>::from_float(random_value(seed, k));
 }
 
 __device__ int64_t valid_numel(const ParamGeometry& g, int rank) {
@@ -24,7 +46,7 @@ __device__ int64_t valid_numel(const ParamGeometry& g, int rank) {
   return rows * g.row_numel;
 }
 
-template <ElementType D, ElementType S>
+template <DType D, DType S>
 __global__ void check_all_gather_kernel(const void* slots, ParamGeometry g, int world,
                                         uint64_t base, int param, unsigned long long* mismatches) {
   using Storage = typename Element<D>::Storage;
@@ -45,7 +67,7 @@ __global__ void check_all_gather_kernel(const void* slots, ParamGeometry g, int 
   if (wrong) atomicAdd(mismatches, wrong);
 }
 
-template <ElementType D, ElementType S>
+template <DType D, DType S>
 __global__ void check_reduce_scatter_kernel(const void* output, ParamGeometry g, int world,
                                             int rank, uint64_t base, int param, float prescale,
                                             float scale, float tolerance,
@@ -78,26 +100,28 @@ void check(cudaError_t status, const char* what) {
     throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(status));
 }
 
-template <template <ElementType, ElementType> class Launcher, class... Args>
-void dispatch(ElementType d, ElementType s, Args&&... args) {
+template <template <DType, DType> class Launcher, class... Args>
+void dispatch(DType d, DType s, Args&&... args) {
   auto with_d = [&](auto dc) {
-    constexpr ElementType D = decltype(dc)::value;
+    constexpr DType D = decltype(dc)::value;
     switch (s) {
-      case cuda_kernels::kBF16: Launcher<D, cuda_kernels::kBF16>::run(args...); break;
-      case cuda_kernels::kFP16: Launcher<D, cuda_kernels::kFP16>::run(args...); break;
-      case cuda_kernels::kFP32: Launcher<D, cuda_kernels::kFP32>::run(args...); break;
+      case DType::kBF16: Launcher<D, DType::kBF16>::run(args...); break;
+      case DType::kFP16: Launcher<D, DType::kFP16>::run(args...); break;
+      case DType::kFP32: Launcher<D, DType::kFP32>::run(args...); break;
+      default: break;  // no test data of other types
     }
   };
   switch (d) {
-    case cuda_kernels::kBF16: with_d(std::integral_constant<ElementType, cuda_kernels::kBF16>{}); break;
-    case cuda_kernels::kFP16: with_d(std::integral_constant<ElementType, cuda_kernels::kFP16>{}); break;
-    case cuda_kernels::kFP32: with_d(std::integral_constant<ElementType, cuda_kernels::kFP32>{}); break;
+    case DType::kBF16: with_d(std::integral_constant<DType, DType::kBF16>{}); break;
+    case DType::kFP16: with_d(std::integral_constant<DType, DType::kFP16>{}); break;
+    case DType::kFP32: with_d(std::integral_constant<DType, DType::kFP32>{}); break;
+    default: break;
   }
 }
 
 int grid_for(int64_t n) { return static_cast<int>(std::clamp<int64_t>((n + 255) / 256, 1, 8192)); }
 
-template <ElementType D, ElementType S>
+template <DType D, DType S>
 struct AllGatherCheck {
   static void run(const void* slots, const ParamGeometry& g, int world, uint64_t base, int param,
                   unsigned long long* mismatches, cudaStream_t stream) {
@@ -107,7 +131,7 @@ struct AllGatherCheck {
   }
 };
 
-template <ElementType D, ElementType S>
+template <DType D, DType S>
 struct ReduceScatterCheck {
   static void run(const void* output, const ParamGeometry& g, int world, int rank, uint64_t base,
                   int param, float prescale, float scale, float tolerance,
@@ -120,19 +144,21 @@ struct ReduceScatterCheck {
 
 }  // namespace
 
-void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t seed,
+void launch_fill_random(void* buffer, DType type, int64_t count, uint64_t seed,
                         cudaStream_t stream) {
   if (count <= 0) return;
   const int grid = static_cast<int>(std::min<int64_t>((count + 255) / 256, 4096));
   switch (type) {
-    case cuda_kernels::kBF16:
-      fill_random_kernel<cuda_kernels::kBF16><<<grid, 256, 0, stream>>>(buffer, count, seed);
+    case DType::kBF16:
+      fill_random_kernel<DType::kBF16><<<grid, 256, 0, stream>>>(buffer, count, seed);
       break;
-    case cuda_kernels::kFP16:
-      fill_random_kernel<cuda_kernels::kFP16><<<grid, 256, 0, stream>>>(buffer, count, seed);
+    case DType::kFP16:
+      fill_random_kernel<DType::kFP16><<<grid, 256, 0, stream>>>(buffer, count, seed);
       break;
-    case cuda_kernels::kFP32:
-      fill_random_kernel<cuda_kernels::kFP32><<<grid, 256, 0, stream>>>(buffer, count, seed);
+    case DType::kFP32:
+      fill_random_kernel<DType::kFP32><<<grid, 256, 0, stream>>>(buffer, count, seed);
+      break;
+    default:
       break;
   }
   check(cudaGetLastError(), "fill_random_kernel<<<>>>");
@@ -140,11 +166,11 @@ void launch_fill_random(void* buffer, ElementType type, int64_t count, uint64_t 
 
 void preload_test_data_kernels() {
   cudaFuncAttributes attributes;
-  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kBF16>),
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<DType::kBF16>),
         "cudaFuncGetAttributes");
-  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kFP16>),
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<DType::kFP16>),
         "cudaFuncGetAttributes");
-  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<cuda_kernels::kFP32>),
+  check(cudaFuncGetAttributes(&attributes, fill_random_kernel<DType::kFP32>),
         "cudaFuncGetAttributes");
 }
 

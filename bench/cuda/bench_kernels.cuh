@@ -7,7 +7,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels.cuh"
+#include "tide/dtype.hpp"
 
 #if defined(__CUDACC__)
 #define TIDE_HOST_DEVICE __host__ __device__
@@ -28,12 +28,12 @@ TIDE_HOST_DEVICE inline float random_value(uint64_t seed, int64_t index) {
   return static_cast<float>(odd) * (1.0f / 16777216.0f);
 }
 
-// Fills buffer[k] = round(type, random_value(seed, k)), k < count.
-void launch_fill_random(void* buffer, cuda_kernels::ElementType type, int64_t count, uint64_t seed,
+// Fills buffer[k] = round(type, random_value(seed, k)), k < count (bf16, fp16, fp32).
+void launch_fill_random(void* buffer, DType type, int64_t count, uint64_t seed,
                         cudaStream_t stream);
 
-// Loads the fill kernels into the current context now, as CudaExecutor does its own kernels
-// (cuda_kernels::preload_kernels): with ranks as threads, a first launch under lazy loading waits
+// Loads the fill kernels into the current context now, as CudaExecutor does its own kernels when
+// it is created: with ranks as threads, a first launch under lazy loading waits
 // for the whole context, which a peer's stream waiting on a flag never lets go.
 void preload_test_data_kernels();
 
@@ -47,8 +47,8 @@ struct ParamGeometry {
   int64_t row_numel;
   int64_t rows_per_rank;  // c
   int64_t shard_numel;    // S
-  cuda_kernels::ElementType dtype;
-  cuda_kernels::ElementType shard_dtype;
+  DType dtype;
+  DType shard_dtype;
 };
 
 // All-gather: `slots` (W * S elements of dtype, the param's window region) must hold, in slot r,

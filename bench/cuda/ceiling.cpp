@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "kernels.cuh"  // the executor's own kernels, timed here: tide_cuda_kernels_internal
+
 namespace tide::bench {
 
 // ---- Ceiling: copy bandwidth and the kernels' bandwidth against it. -------------------------
@@ -37,7 +39,7 @@ void ceiling_child(const Args& args) {
   // Plain device-to-device copy, 1 GiB (copy engines).
   const std::size_t copy_bytes = std::size_t{1} << 30;
   DeviceMemory src(copy_bytes), dst(copy_bytes);
-  launch_fill_random(src.ptr, cuda_kernels::kBF16, copy_bytes / 2, 1, stream);
+  launch_fill_random(src.ptr, DType::kBF16, copy_bytes / 2, 1, stream);
   for (int w = 0; w < 3; ++w)
     BCHECK(cudaMemcpyAsync(dst.ptr, src.ptr, copy_bytes, cudaMemcpyDeviceToDevice, stream));
   const double ceiling = row("cudaMemcpyAsync D2D 1 GiB (HBM ceiling)", 2.0 * copy_bytes,
@@ -54,11 +56,11 @@ void ceiling_child(const Args& args) {
   std::vector<const void*> source_ptrs;
   for (int r = 0; r < world; ++r) {
     sources.emplace_back(n * 2);
-    launch_fill_random(sources.back().ptr, cuda_kernels::kBF16, n, 100 + r, stream);
+    launch_fill_random(sources.back().ptr, DType::kBF16, n, 100 + r, stream);
     source_ptrs.push_back(sources.back().ptr);
   }
   DeviceMemory out(n * 4);
-  launch_fill_random(out.ptr, cuda_kernels::kFP32, n, 7, stream);
+  launch_fill_random(out.ptr, DType::kFP32, n, 7, stream);
   auto reduce = [&](int max_ctas, bool accumulate) {
     cuda_kernels::ReduceSpec spec{source_ptrs.data(), out.ptr, nullptr, n, 1.0f, 1.0f / world, accumulate,
                                   cuda_kernels::kBF16, cuda_kernels::kFP32, cuda_kernels::kFP32};
@@ -77,7 +79,7 @@ void ceiling_child(const Args& args) {
   // Cast: fp32 -> bf16, 256 MiB of fp32 (the AG cast-in).
   const int64_t m = int64_t{64} << 20;
   DeviceMemory cast_src(m * 4), cast_dst(m * 2);
-  launch_fill_random(cast_src.ptr, cuda_kernels::kFP32, m, 9, stream);
+  launch_fill_random(cast_src.ptr, DType::kFP32, m, 9, stream);
   cuda_kernels::CastSpec cast{cast_src.ptr, cast_dst.ptr, m, 0, cuda_kernels::kFP32,
                               cuda_kernels::kBF16};
   cuda_kernels::launch_casts(&cast, 1, 0, stream);

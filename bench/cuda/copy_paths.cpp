@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
-#include "kernels.cuh"
+#include "kernels.cuh"  // the executor's own kernels, timed here: tide_cuda_kernels_internal
 
 namespace tide::bench {
 namespace {

@@ -11,22 +11,54 @@
 // And the GPU's time per call, by 1 and by 2 threads at once: 64 calls enqueued behind an unmet
 // stream wait between two events, then released, so the GPU runs them back to back with no host
 // in the way: the part of a collective's chain that each call adds on the device.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <array>
 #include <barrier>
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <stdexcept>
+#include <string>
 #include <thread>
+#include <type_traits>
 
 #include "bench_common.hpp"
-#include "cuda/driver_api.hpp"
-#include "kernels.cuh"
+#include "kernels.cuh"  // the executor's own kernels, timed here: tide_cuda_kernels_internal
 
 namespace tide::bench {
 namespace {
 
 constexpr int kCallsPerRound = 64;
+
+// The stream memory operations the executor's signals and waits are, from the driver (this
+// process links no libcuda): the entry points of CUDA 12.0's ABI, as the executor asks for them.
+struct StreamMemOps {
+  PFN_cuStreamWaitValue64_v11070 stream_wait_value64 = nullptr;
+  PFN_cuStreamWriteValue64_v11070 stream_write_value64 = nullptr;
+  PFN_cuStreamBatchMemOp_v11070 stream_batch_mem_op = nullptr;
+};
+
+const StreamMemOps& stream_mem_ops() {
+  static const StreamMemOps ops = [] {
+    StreamMemOps o;
+    auto resolve = [](const char* symbol, auto& fn) {
+      void* pointer = nullptr;
+      cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+      BCHECK(cudaGetDriverEntryPointByVersion(symbol, &pointer, 12000, cudaEnableDefault, &status));
+      if (status != cudaDriverEntryPointSuccess || pointer == nullptr)
+        throw std::runtime_error(std::string(symbol) + " not found in the CUDA driver");
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(pointer);
+    };
+    resolve("cuStreamWaitValue64", o.stream_wait_value64);
+    resolve("cuStreamWriteValue64", o.stream_write_value64);
+    resolve("cuStreamBatchMemOp", o.stream_batch_mem_op);
+    return o;
+  }();
+  return ops;
+}
 constexpr std::size_t kCopyBytes = 4096;  // the copy's size does not change the call's host time
 
 struct CallKind {
@@ -81,8 +113,8 @@ struct Lane {
   CUdeviceptr gate_word() { return reinterpret_cast<CUdeviceptr>(static_cast<uint64_t*>(word.ptr) + 2); }
   // Blocks the stream until release().
   void block() {
-    if (cuda_detail::driver_api().stream_wait_value64(stream, gate_word(), ++gate,
-                                                      CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
+    if (stream_mem_ops().stream_wait_value64(stream, gate_word(), ++gate, CU_STREAM_WAIT_VALUE_GEQ) !=
+        CUDA_SUCCESS)
       throw std::runtime_error("cuStreamWaitValue64 failed");
   }
   // µs from `start` to `end`, once the stream has drained.
@@ -93,8 +125,8 @@ struct Lane {
     return 1000.0 * ms;
   }
   void release() {
-    if (cuda_detail::driver_api().stream_write_value64(releaser, gate_word(), gate,
-                                                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
+    if (stream_mem_ops().stream_write_value64(releaser, gate_word(), gate,
+                                              CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
       throw std::runtime_error("cuStreamWriteValue64 failed");
   }
 };
@@ -116,7 +148,7 @@ CUstreamBatchMemOpParams mem_op(bool wait, void* word) {
 }
 
 void call_once(int kind, Lane& lane) {
-  const auto& api = cuda_detail::driver_api();
+  const auto& api = stream_mem_ops();
   auto* word = static_cast<uint64_t*>(lane.word.ptr);
   switch (kind) {
     case 0: BCHECK(cudaEventRecord(lane.event, lane.stream)); break;

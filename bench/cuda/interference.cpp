@@ -13,6 +13,8 @@
 #include <latch>
 #include <thread>
 
+#include "kernels.cuh"  // the executor's own kernels, timed here: tide_cuda_kernels_internal
+
 namespace tide::bench {
 
 namespace {
@@ -60,7 +62,7 @@ struct StandIn {
   explicit StandIn(cudaStream_t stream) : out(kElems * 4) {
     for (int r = 0; r < kSources; ++r) {
       sources.emplace_back(kElems * 2);
-      launch_fill_random(sources.back().ptr, cuda_kernels::kBF16, kElems, 80 + r, stream);
+      launch_fill_random(sources.back().ptr, DType::kBF16, kElems, 80 + r, stream);
       pointers.push_back(sources.back().ptr);
     }
     spec = {pointers.data(), out.ptr, nullptr, kElems, 1.0f, 1.0f / kSources, false, cuda_kernels::kBF16,
@@ -127,7 +129,7 @@ void interference_one_gpu(const Args& args) {
         cudaStream_t stream = nullptr;
         BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
         BCHECK(cudaEventCreate(&rs_done[rank]));
-        launch_fill_random(grad.ptr, cuda_kernels::kBF16, p.numel(), 50 + rank, stream);
+        launch_fill_random(grad.ptr, DType::kBF16, p.numel(), 50 + rank, stream);
         const Program program = plan_reduce_scatter(layout, rank, ReduceOptions{}, 3);
         const Bindings bindings{{grad.ptr}, {out.ptr}};
         {
@@ -241,7 +243,7 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
   const BucketLayout layout(single_param(std::size_t{256} << 20), Topology::single_node(world));
   const ParamLayout& p = layout.param(0);
   DeviceMemory grad(p.unsharded_bytes()), out(p.valid_numel(rank) * 4);
-  launch_fill_random(grad.ptr, cuda_kernels::kBF16, p.numel(), 50 + rank, background);
+  launch_fill_random(grad.ptr, DType::kBF16, p.numel(), 50 + rank, background);
   auto window = CudaWindow::create(bootstrap, layout.window_bytes());
   const Program program = plan_reduce_scatter(layout, rank, ReduceOptions{}, 3);
   const Bindings bindings{{grad.ptr}, {out.ptr}};
@@ -268,7 +270,7 @@ void interference_rank(int rank, Bootstrap& bootstrap, const Args& args) {
   auto comm = NcclComm::create(bootstrap);
   const int64_t shard = p.shard_numel;
   DeviceMemory fp32_in(shard * world * 4), fp32_out(shard * 4);
-  launch_fill_random(fp32_in.ptr, cuda_kernels::kFP32, shard * world, 60 + rank, background);
+  launch_fill_random(fp32_in.ptr, DType::kFP32, shard * world, 60 + rank, background);
   auto nccl_once = [&] {
     nccl.check(nccl.reduce_scatter(fp32_in.ptr, fp32_out.ptr, shard, NcclLibrary::kFloat32,
                                    NcclLibrary::kAvg, comm->get(), background),

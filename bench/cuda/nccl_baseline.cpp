@@ -34,8 +34,7 @@ void bench_nccl_rank(int rank, Bootstrap& bootstrap, Collective collective,
       const bool ag = collective == Collective::kAllGather;
       DeviceMemory in((ag ? shard : shard * world) * esize), out((ag ? shard * world : shard) * esize);
       const uint64_t seed = 7000 + rank;
-      launch_fill_random(in.ptr, element_type(dtype), ag ? shard : shard * world, seed,
-                                       stream);
+      launch_fill_random(in.ptr, dtype, ag ? shard : shard * world, seed, stream);
       auto once = [&] {
         if (ag)
           nccl.check(nccl.all_gather(in.ptr, out.ptr, shard, nccl_type, comm->get(), stream),

@@ -65,8 +65,8 @@ struct OneWaveGemm {
     BCHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     a = DeviceMemory(std::size_t{2} * M * K), b = DeviceMemory(std::size_t{2} * K * N);
     c = DeviceMemory(std::size_t{2} * M * N);
-    launch_fill_random(a.ptr, cuda_kernels::kBF16, int64_t{M} * K, 11, stream);
-    launch_fill_random(b.ptr, cuda_kernels::kBF16, int64_t{K} * N, 12, stream);
+    launch_fill_random(a.ptr, DType::kBF16, int64_t{M} * K, 11, stream);
+    launch_fill_random(b.ptr, DType::kBF16, int64_t{K} * N, 12, stream);
     if (cublas.create(&handle) != 0) throw std::runtime_error("cublasCreate failed");
     cublas.set_stream(handle, stream);
     for (int w = 0; w < 10; ++w) run();

@@ -100,12 +100,10 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       const uint64_t seed = input_seed(kSeedBase, int(i), rank);
       if (collective == Collective::kAllGather) {
         inputs.emplace_back(p.valid_numel(rank) * dtype_size(p.shard_dtype));
-        launch_fill_random(inputs.back().ptr, element_type(p.shard_dtype),
-                                         p.valid_numel(rank), seed, stream);
+        launch_fill_random(inputs.back().ptr, p.shard_dtype, p.valid_numel(rank), seed, stream);
       } else {
         inputs.emplace_back(p.unsharded_bytes());
-        launch_fill_random(inputs.back().ptr, element_type(p.dtype), p.numel(), seed,
-                                         stream);
+        launch_fill_random(inputs.back().ptr, p.dtype, p.numel(), seed, stream);
         outputs.emplace_back(p.valid_numel(rank) * dtype_size(p.shard_dtype));
         bindings.outputs.push_back(outputs.back().ptr);
       }
@@ -196,7 +194,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       for (std::size_t i = 0; i < layout.num_params(); ++i) {
         const ParamLayout& p = layout.param(i);
         const ParamGeometry g{p.shard_dim_size, p.row_numel, p.rows_per_rank, p.shard_numel,
-                              element_type(p.dtype), element_type(p.shard_dtype)};
+                              p.dtype, p.shard_dtype};
         if (collective == Collective::kAllGather)
           launch_check_all_gather(window->data(rank) + p.window_offset, g, world, kSeedBase,
                                   int(i), static_cast<unsigned long long*>(mismatches.ptr), stream);

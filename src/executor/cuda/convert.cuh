@@ -1,6 +1,6 @@
 // Device-side element conversions and 8-wide vector accesses, bit for bit as tide/dtype.hpp's host
 // versions (round to nearest even, the same NaN encodings; bf16 from the one definition in
-// src/layout/bf16_bits.hpp). Shared by the executor's kernels and the benchmark's kernels.
+// src/layout/bf16_bits.hpp), for the executor's kernels (cast_task.cuh, reduce_task.cuh).
 // CUDA-only (include from .cu files).
 #pragma once
 

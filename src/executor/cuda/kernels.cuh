@@ -2,7 +2,9 @@
 // launchers. Cast and reduce take a task table by value (a __grid_constant__ kernel parameter), so
 // one launch serves every CastOp (or ReduceOp) of a program and nothing has to be uploaded or kept
 // alive: the launch copies the table. The benchmark also launches them (ceilings, interference),
-// through the internal target tide_cuda_kernels_internal.
+// through the internal target tide_cuda_kernels_internal. One .cu file per kernel family defines
+// them (cast_kernel.cu, reduce_kernel.cu, copy_kernel.cu, cast_to_peers_kernel.cu,
+// net_pull_kernel.cu; README.md lists what they share).
 //
 // Arithmetic is exactly the host executor's: conversions bit for bit as tide/dtype.hpp's (round to
 // nearest even, same NaN encodings), fp32 accumulation with explicit __fadd_rn/__fmul_rn (never
@@ -69,7 +71,7 @@ inline constexpr int kMaxSources = 3072;  // ranks a reduce can sum (one launch'
 int default_max_ctas();
 int sm_count();  // of the current device
 
-// Loads every kernel of this file into the current context now. With CUDA's lazy module loading
+// Loads every kernel declared here into the current context now. With CUDA's lazy module loading
 // (the default) a kernel's first launch loads its module, and loading waits for the whole
 // context: with ranks as threads of one process, a rank whose stream waits on another rank's
 // flag then blocks that rank's first launch for good (the hang of ranks-as-threads). CudaExecutor

@@ -50,8 +50,23 @@ namespace tide {
 
 using namespace cuda_executor_detail;
 
+// A collective enqueued on a capturing stream would be recorded with this run's epoch and flag
+// values, which are host values: every replay would write and wait for the same ones, and peers
+// would pass a replay's waits on the previous replay's flags. Refused before anything moves.
+static void refuse_capture(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t error = cudaStreamIsCapturing(stream, &status);
+  if (error == cudaSuccess && status == cudaStreamCaptureStatusNone) return;
+  (void)cudaGetLastError();  // the legacy stream answers an error while another stream captures
+  TIDE_CHECK_ARG(false, "CudaExecutor::run", "stream",
+                 error == cudaSuccess ? "capturing a CUDA graph" : "the legacy stream during a capture",
+                 "a stream that is not capturing: TIDE's collectives cannot be captured in a CUDA graph "
+                 "(their epochs and flag values are host values a replay would repeat)");
+}
+
 void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
                              PreparedProgram::Lowered& lowered, bool reuse) {
+  refuse_capture(stream);
   if (!reuse) {
     lowered.valid = false;
     validate_run(program, bindings, window.rank(), window.world(), window.data_bytes(),
