@@ -121,3 +121,36 @@ def test_torchtitan_checkpoint_resume(tmp_path, assets):
     assert_same(stock[0], first, 3)
     assert_same(stock[1], resumed, 3)  # steps 4-6, after the load
     assert resumed[0]["tide"][0]["fallbacks"] == [] and len(resumed[0]["tide"][0]["buckets"]) == 8
+
+
+def test_tide_torchtitan_wraps_any_registered_config_and_turns_captured_steps_off():
+    """What --module tide.torchtitan hands torchtitan for a config name: the registry's own config
+    with TIDE's hook after the spec's (an MoE model's load-balancing hook kept), CUDA graphs off;
+    an unknown name and an unknown torchtitan release refused with one line."""
+    import torchtitan
+    import tide.torchtitan as tt
+    from torchtitan.models.llama3 import config_registry as llama3
+    from torchtitan.models.qwen3 import config_registry as qwen3
+
+    stock = llama3.llama3_debugmodel()
+    config = tt.llama3_debugmodel()  # the attribute torchtitan's ConfigManager reads
+    assert stock.training.disable_cuda_graphs is False and config.training.disable_cuda_graphs is True
+    assert stock.model_spec.post_optimizer_build_fn is None
+    assert config.model_spec.post_optimizer_build_fn is not None
+    assert (config.model_spec.name, config.model_spec.flavor) == (stock.model_spec.name, stock.model_spec.flavor)
+
+    moe_name = next(n for n in dir(qwen3) if "moe" in n and "debug" in n and callable(getattr(qwen3, n)))
+    moe = getattr(tt, f"qwen3.{moe_name}")()
+    hook = moe.model_spec.post_optimizer_build_fn
+    kept = getattr(qwen3, moe_name)().model_spec.post_optimizer_build_fn
+    assert kept is not None and hook is not kept and kept in [c.cell_contents for c in hook.__closure__ or ()]
+
+    with pytest.raises(AttributeError, match="no torchtitan config registry has a config 'no_such_config'"):
+        tt.no_such_config
+    saved = torchtitan.__version__
+    torchtitan.__version__ = "0.9.0"
+    try:
+        with pytest.raises(RuntimeError, match="torchtitan 0.9.0 is not one this module knows"):
+            tt.llama3_debugmodel()
+    finally:
+        torchtitan.__version__ = saved
