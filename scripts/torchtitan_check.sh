@@ -13,10 +13,10 @@ if [[ ! -x "$venv/bin/python" ]]; then
   echo "== venv $venv"
   "$PY" -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c "import torchtitan, triton, torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
-  echo "== installing torch 2.13.0, torchtitan 0.3.0, triton and the build tools"
+if ! "$venv/bin/python" -c "import torchtitan, triton, torchao, torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+  echo "== installing torch 2.13.0, torchtitan 0.3.0, triton, torchao (its float8 converter) and the build tools"
   "$venv/bin/pip" install -q "torch==2.13.0" nanobind scikit-build-core pytest numpy cmake ninja
-  "$venv/bin/pip" install -q "torchtitan==0.3.0" triton
+  "$venv/bin/pip" install -q "torchtitan==0.3.0" triton "torchao>=0.17"
 fi
 echo "== installing TIDE (builds the C++ extension)"
 "$venv/bin/pip" install -q --no-build-isolation .
