@@ -4,10 +4,11 @@
 
 For such a param FSDP2 all-gathers the *inputs* ``fsdp_pre_all_gather`` returns (one or more 1-D
 tensors per param, any dtype: fp8 data and an fp32 scale, uint8 packed data, ...) and hands
-``fsdp_post_all_gather`` one output per input, each the W ranks' inputs back to back (rank-major).
-TIDE lays out each input as a param of its own in the bucket's window, of u8 bytes (copied as they
-are, never cast: TIDE computes on none of these dtypes), so the window holds exactly those rank-major
-outputs, and ``fsdp_post_all_gather`` gets views of the window: FSDP2's copy-in of the inputs into
+``fsdp_post_all_gather`` one output per input: the W ranks' inputs back to back (rank-major) for a
+param sharded on dim 0, concatenated along dim k for one sharded on dim k (chunk-cat). TIDE lays out
+each input as a param of its own in the bucket's window, of u8 bytes (copied as they are, never
+cast: TIDE computes on none of these dtypes) and sharded as the param, so the window holds exactly
+those outputs, and ``fsdp_post_all_gather`` gets views of the window: FSDP2's copy-in of the inputs into
 one flat buffer and its split copy-out never run, and the outputs (and so ``out=`` on the steps
 after the first) are the same tensors every step. A plain param of the same group keeps its float
 layout (cast from the shard into its slot, as in any bucket). The reduce-scatter side is TIDE's
@@ -16,7 +17,8 @@ usual one: gradients are plain tensors of the params' shapes.
 The inputs' sizes and dtypes are fixed after the first all-gather (FSDP2 allocates its outputs once
 from them); enable() asks for them once, by calling ``fsdp_pre_all_gather`` (as FSDP2's next
 all-gather would: torchao's dynamic float8 scale all-reduces its amax over the mesh there, and every
-rank calls enable), and each all-gather checks them again.
+rank calls enable; torch's random state is given back after it), and each all-gather checks them
+again.
 
 torchao's float8 weights skip ``fsdp_pre_all_gather``: TIDE's cast writes their e4m3 bytes straight
 into the window from the high-precision shard and torchao's scale (_float8.py).

@@ -289,7 +289,6 @@ struct CudaExecutor::Impl {
   // ---- Watchdog thread (watchdog.cpp). ----
   void watchdog_loop();
   void store_error(std::exception_ptr e);
-  void finish_side_copy(const char* what);  // waits for the side stream, up to the timeout
   FlagWord read_flag(const FlagWord* flag);
   void write_flags(FlagWord* flags, std::size_t count, uint64_t tag);
   // The first of a stuck flag batch's waits that its flag does not meet, as an error; null if

@@ -144,7 +144,7 @@ std::exception_ptr CudaExecutor::Impl::diagnose_mailbox(const PendingWait& w) {
   auto read_mailbox = [&](const NetOutbox* box) {
     TIDE_CUDA_CHECK(cudaMemcpyAsync(&mailbox_staging, box, sizeof(NetOutbox),
                                     cudaMemcpyDeviceToHost, side_stream));
-    finish_side_copy("read of a mailbox");
+    TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
     return mailbox_staging;
   };
   const int rank = window.rank();
@@ -182,7 +182,7 @@ void CudaExecutor::Impl::release_mailbox_wait(const PendingWait& w) {
   auto write = [&](uint64_t* word, uint64_t value) {
     TIDE_CUDA_CHECK(cudaMemcpyAsync(word, &value, sizeof value, cudaMemcpyHostToDevice,
                                     side_stream));
-    finish_side_copy("release of a mailbox word");
+    TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
   };
   if (w.offset) write(w.offset, UINT64_MAX);
   for (const MailboxWord& m : w.words) write(m.word, m.equal ? m.value : kReleaseEpoch);

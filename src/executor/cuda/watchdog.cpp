@@ -29,31 +29,10 @@ void CudaExecutor::Impl::store_error(std::exception_ptr e) {
   failed = true;
 }
 
-// The watchdog's own copies are bounded like every other wait: the GPU may not run a side-stream
-// copy while the stream it watches is stuck (device work serialized, as under compute-sanitizer;
-// streams sharing a hardware queue past CUDA_DEVICE_MAX_CONNECTIONS). Past the timeout the
-// watchdog ends with a TimeoutError naming the rank and what it could not do, and synchronize()
-// and run() throw it instead of waiting for a drain that cannot come.
-void CudaExecutor::Impl::finish_side_copy(const char* what) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  for (;;) {
-    const cudaError_t status = cudaStreamQuery(side_stream);
-    if (status == cudaSuccess) return;
-    if (status != cudaErrorNotReady) TIDE_CUDA_CHECK(status);
-    if (Clock::now() >= deadline)
-      throw TimeoutError(detail::concat(
-          "rank ", window.rank(), ": the watchdog's ", what, " on its side stream did not run within ",
-          timeout.count(), " ms of a stuck wait: the GPU runs none of this rank's other work beside "
-          "it (serialized device work, as under compute-sanitizer, or more streams than "
-          "CUDA_DEVICE_MAX_CONNECTIONS hardware queues); the executor has failed"));
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-}
-
 FlagWord CudaExecutor::Impl::read_flag(const FlagWord* flag) {
   TIDE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), flag, sizeof(FlagWord), cudaMemcpyDeviceToHost,
                                   side_stream));
-  finish_side_copy("read of a flag");
+  TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
   return staging[0];
 }
 
@@ -61,7 +40,7 @@ void CudaExecutor::Impl::write_flags(FlagWord* flags, std::size_t count, uint64_
   for (std::size_t i = 0; i < count; ++i) staging[i] = FlagWord{kReleaseEpoch, tag};
   TIDE_CUDA_CHECK(cudaMemcpyAsync(flags, staging.data(), count * sizeof(FlagWord),
                                   cudaMemcpyHostToDevice, side_stream));
-  finish_side_copy("release of its flags");
+  TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
 }
 
 std::exception_ptr CudaExecutor::Impl::diagnose_flag_wait(const PendingWait& w) {
@@ -169,9 +148,8 @@ void CudaExecutor::Impl::watchdog_loop() {
       lock.lock();
     }
   } catch (...) {
-    // A CUDA error here (the context is broken), or a side-stream copy that did not run: report
-    // it and stop; wait_stream() and throw_if_failed() see watchdog_dead and throw instead of
-    // waiting for a drain.
+    // A CUDA error here (the context is broken): report it and stop; wait_stream() and
+    // throw_if_failed() see watchdog_dead and throw instead of waiting for a drain.
     store_error(std::current_exception());
     watchdog_dead = true;
     std::lock_guard<std::mutex> lock(mutex);
