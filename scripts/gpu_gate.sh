@@ -6,8 +6,8 @@
 #            exported beside torch's crashed tide.fsdp: issue 14)
 #   cpp      the C++ GPU tests (scripts/gpu_suite.sh tests)
 #   python   pytest: the extension checks, the CUDA scenarios of tests/python/test_fsdp.py and
-#            test_fsdp_lifetime.py (ranks as processes sharing the GPU), test_fsdp_cuda_graphs.py (a capture
-#            refused), test_fsdp_cuda.py (skips without 2 GPUs), the CLI tests
+#            test_fsdp_lifetime.py (ranks as processes sharing the GPU), test_fsdp_cuda_graphs.py (captured
+#            steps vs run-by-run ones), test_fsdp_cuda.py (skips without 2 GPUs), the CLI tests
 #   bench    tide-bench fsdp with its defaults (on one GPU: 2 ranks sharing it)
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
 #

@@ -50,6 +50,7 @@ struct Args {
   std::string transport = "nccl";  // between nodes: nccl | ipc (CudaWindowScope::kHost windows)
   bool threads = false;          // ranks as threads of one process (GPU 0)
   bool prefixes = false;         // sweep/bucket: also time every prefix of the program (its chain)
+  bool cuda_graphs = false;      // sweep/bucket: also the program captured in a CUDA graph, replayed
   std::string delivery = "default";  // sweep/bucket AG: default | push | cast_to_peers (plan.hpp)
   std::size_t chunk_mib = 16;  // across-node: AcrossNodesOptions::chunk_bytes (each chunk one send/recv)
   std::string wire = "fp32";   // across-node RS: AcrossNodesOptions::wire_dtype

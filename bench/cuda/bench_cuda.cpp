@@ -25,7 +25,9 @@
 // default 16), --wire fp32|bf16 (across-node RS: the dtype of partial sums between nodes; bf16 is
 // lossy and checked within one bf16 rounding per node), --threads (sweep/bucket: the ranks as threads of one process on GPU 0, one CUDA
 // context, instead of processes, whose contexts the GPU time-slices: every hand-off between
-// ranks can then wait for a time slice), --prefixes (sweep/bucket: also every prefix of the
+// ranks can then wait for a time slice), --cuda-graphs (sweep/bucket on one node: also the
+// program captured once in a CUDA graph and replayed: time per replay, the host's time per
+// cudaGraphLaunch, the last replay's result checked), --prefixes (sweep/bucket: also every prefix of the
 // program, its first k steps run back to back, so each step's share of a run's time shows:
 // the chain of a small collective), --delivery default|push|cast_to_peers (sweep/bucket on one node:
 // how a rank's bytes reach the peers, plan.hpp's Delivery; default: default_delivery(layout)).
@@ -91,6 +93,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--wire") args.wire = value();
     else if (a == "--threads") args.threads = true;
     else if (a == "--prefixes") args.prefixes = true;
+    else if (a == "--cuda-graphs") args.cuda_graphs = true;
     else if (a == "--delivery") args.delivery = value();
     else throw std::runtime_error("unknown option " + a + " (see the comment atop bench_cuda.cpp)");
   }

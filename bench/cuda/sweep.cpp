@@ -114,6 +114,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
                                      ipc ? CudaWindowScope::kHost : CudaWindowScope::kNode);
 
     double median_us = 0, sm_cta_us = 0, host_us = 0, loop_us = 0, lowering_host_us = 0;
+    double graph_us = 0, graph_host_us = 0, graph_loop_us = 0;  // --cuda-graphs: per replay
     bool batched = true;
     unsigned long long wrong = 0;
     std::string prefix_times;  // --prefixes: "<time> <host> <loop>" per prefix length 1..n
@@ -187,6 +188,47 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       // rank per node has no local peers to push to).
       batched = stats.single_copy_calls == 0;
       executor.enable_stats(false);
+      // --cuda-graphs: the program captured once and replayed, timed as the runs above; the
+      // result checked below is then the last replay's, its destination poisoned before it.
+      if (args.cuda_graphs && args.nodes == 1) {
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t replay = nullptr;
+        BCHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        executor.run(*checked, bindings);
+        BCHECK(cudaStreamEndCapture(stream, &graph));
+        BCHECK(cudaGraphInstantiate(&replay, graph, 0));
+        BCHECK(cudaGraphDestroy(graph));
+        for (int w = 0; w < args.warmup; ++w) BCHECK(cudaGraphLaunch(replay, stream));
+        BCHECK(cudaStreamSynchronize(stream));
+        bootstrap.barrier();
+        std::vector<double> host_times;
+        host_times.reserve(args.iters);
+        const auto times = time_each(stream, args.iters, [&] {
+          const auto start = std::chrono::steady_clock::now();
+          BCHECK(cudaGraphLaunch(replay, stream));
+          host_times.push_back(std::chrono::duration<double, std::micro>(
+                                   std::chrono::steady_clock::now() - start).count());
+        });
+        BCHECK(cudaStreamSynchronize(stream));
+        bootstrap.barrier();
+        graph_us = median(times), graph_host_us = median(host_times);
+        const auto loop = time_each(stream, 1, [&] {
+          for (int i = 0; i < args.iters; ++i) BCHECK(cudaGraphLaunch(replay, stream));
+        });
+        BCHECK(cudaStreamSynchronize(stream));
+        bootstrap.barrier();
+        graph_loop_us = loop[0] / args.iters;
+        if (collective == Collective::kAllGather)  // peers push only after this rank's slot-free signal
+          BCHECK(cudaMemsetAsync(window->data(rank), 0x5A, layout.window_bytes(), stream));
+        else
+          for (std::size_t i = 0; i < outputs.size(); ++i)
+            BCHECK(cudaMemsetAsync(outputs[i].ptr, 0x77,
+                                   layout.param(i).valid_numel(rank) * dtype_size(layout.param(i).shard_dtype),
+                                   stream));
+        BCHECK(cudaGraphLaunch(replay, stream));
+        BCHECK(cudaStreamSynchronize(stream));
+        BCHECK(cudaGraphExecDestroy(replay));
+      }
       bootstrap.barrier();  // threads: no pageable copy (below) while a peer's stream may wait
 
       // Check the last run's result on the device, bit for bit.
@@ -209,18 +251,22 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       BCHECK(cudaMemcpyAsync(&wrong, mismatches.ptr, sizeof wrong, cudaMemcpyDeviceToHost, stream));
       BCHECK(cudaStreamSynchronize(stream));
     }
-    char mine[160];
-    std::snprintf(mine, sizeof mine, "%.3f %llu %.3f %.3f %.3f %.3f", median_us, wrong, sm_cta_us,
-                  host_us, loop_us, lowering_host_us);
+    char mine[200];
+    std::snprintf(mine, sizeof mine, "%.3f %llu %.3f %.3f %.3f %.3f %.3f %.3f %.3f", median_us, wrong,
+                  sm_cta_us, host_us, loop_us, lowering_host_us, graph_us, graph_host_us, graph_loop_us);
     const auto all = bootstrap.allgather(mine);
     const auto all_prefixes = bootstrap.allgather(prefix_times);
     if (rank == 0) {
       double slowest = 0, sm_sum = 0, host_slowest = 0, loop_slowest = 0, lowering_slowest = 0;
+      double graph_slowest = 0, graph_host_slowest = 0, graph_loop_slowest = 0;
       unsigned long long wrong_total = 0;
       for (const std::string& s : all) {
-        double t = 0, sm = 0, h = 0, l = 0, lh = 0;
+        double t = 0, sm = 0, h = 0, l = 0, lh = 0, gt = 0, gh = 0, gl = 0;
         unsigned long long w = 0;
-        std::sscanf(s.c_str(), "%lf %llu %lf %lf %lf %lf", &t, &w, &sm, &h, &l, &lh);
+        std::sscanf(s.c_str(), "%lf %llu %lf %lf %lf %lf %lf %lf %lf", &t, &w, &sm, &h, &l, &lh, &gt,
+                    &gh, &gl);
+        graph_slowest = std::max(graph_slowest, gt), graph_host_slowest = std::max(graph_host_slowest, gh);
+        graph_loop_slowest = std::max(graph_loop_slowest, gl);
         slowest = std::max(slowest, t), wrong_total += w, sm_sum += sm;
         loop_slowest = std::max(loop_slowest, l);
         host_slowest = std::max(host_slowest, h);
@@ -256,6 +302,13 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
                     "; host %.1f us/run in run() (%.1f lowering every run); loop %.1f us/run",
                     host_slowest, lowering_slowest, loop_slowest);
       r.note += host;
+      if (args.cuda_graphs && args.nodes == 1) {
+        char replayed[160];
+        std::snprintf(replayed, sizeof replayed,
+                      "; replayed (CUDA graph) %.1f us, host %.1f us/launch, loop %.1f us/replay",
+                      graph_slowest, graph_host_slowest, graph_loop_slowest);
+        r.note += replayed;
+      }
       append_row(r);
       print_collective_row(r);
       if (args.prefixes) print_prefix_rows(program, all_prefixes, slowest, host_slowest, loop_slowest);

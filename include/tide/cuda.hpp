@@ -174,6 +174,11 @@ class CudaAddressRange {
 
 class CudaExecutor;
 
+// The id of the CUDA graph capture `stream` (a cudaStream_t) is in, 0 when it is not capturing:
+// work recorded in one capture may wait only for work of the same capture. InvalidArgument for
+// the legacy stream while another stream captures.
+uint64_t cuda_capture_id(void* stream);
+
 // A program checked and lowered on one CudaExecutor (CudaExecutor::prepare), for the collective a
 // bucket runs every step. Its checks and lowering (which steps share a driver call, every address
 // resolved) are kept with the pointers they were made for: a run whose bindings are those of the
@@ -263,7 +268,21 @@ class CudaExecutor final : public Executor {
 
   // validate_run(...) first (throws InvalidArgument before anything is enqueued), then the error
   // of an earlier run if the watchdog stored one, then enqueues the program on the stream.
+  //
+  // On a stream being captured into a CUDA graph (cudaStreamBeginCapture, torch.cuda.graph) the
+  // run is recorded into the graph, and every replay runs the collective again: its flags carry a
+  // fixed value that each wait clears once met, so nothing a replay does depends on the host.
+  // Run-by-run and replayed collectives of a window interleave in any order, as long as every
+  // rank runs them in the same order. Every pointer of the bindings must hold at each replay, and
+  // the executor and its window must outlive the graph's replays.
+  // Copies go to the engines one cudaMemcpyAsync each (cudaMemcpyBatchAsync has no graph node).
+  // A replayed wait that times out ends the process, after printing the error (rank, peer,
+  // bucket, phase): no call into TIDE runs during a replay to throw it in. Refused with
+  // InvalidArgument before anything moves: a program capture_refusal() names, a capture on the
+  // legacy stream, an invalidated capture.
   void run(const Program& program, const Bindings& bindings) override;
+  // Why `program` cannot be captured into a CUDA graph; empty if it can.
+  static std::string capture_refusal(const Program& program);
   // A copy of `program` to run on this executor only (its first run checks and lowers it).
   std::unique_ptr<PreparedProgram> prepare(const Program& program) const;
   // run(prepared.program(), bindings), without checking or lowering again when `bindings` are the

@@ -333,11 +333,15 @@ NB_MODULE(_tide, m) {
       .def("synchronize", &CudaExecutor::synchronize, nb::call_guard<nb::gil_scoped_release>())
       .def("enable_stats", &CudaExecutor::enable_stats)
       .def("stats", &CudaExecutor::stats, nb::call_guard<nb::gil_scoped_release>())
-      .def("reset_stats", &CudaExecutor::reset_stats);
+      .def("reset_stats", &CudaExecutor::reset_stats)
+      .def_static("capture_refusal", &CudaExecutor::capture_refusal, "program"_a);
+  m.def("cuda_capture_id", [](uintptr_t stream) { return cuda_capture_id(reinterpret_cast<void*>(stream)); },
+        "stream"_a);
 #else
   m.attr("cuda_built") = false;
   m.def("cuda_device_available", [] { return false; });
   m.def("cuda_device_count", [] { return 0; });
+  m.def("cuda_capture_id", [](uintptr_t) { return uint64_t{0}; }, "stream"_a);
 #endif
   // NCCL (the network transport across nodes), loaded at run time; raises RuntimeError naming
   // where it looked when there is none.

@@ -13,9 +13,11 @@ calls the model spec's ``post_optimizer_build_fn``: the first call that sees the
 tensors, before the first step and before a checkpoint loads into those same tensors. TIDE is
 enabled there, after the hook the model spec had (MoE models register their load balancing there).
 
-torchtitan captures each GPU step in a CUDA graph unless ``training.disable_cuda_graphs`` is set;
-TIDE's collectives cannot be captured yet, so ``with_tide`` sets it and logs one line saying so
-(a capture that reaches a TIDE collective anyway raises, naming the param group).
+torchtitan captures each GPU step in a CUDA graph unless ``training.disable_cuda_graphs`` is set.
+TIDE's collectives can be captured (CudaExecutor records them for replays), but captured training
+has not yet been checked against run-by-run training on a GPU (tests/python/test_fsdp_cuda_graphs.py
+is that check), so ``with_tide`` sets it and logs one line saying so; a user who captures anyway
+gets TIDE's captured collectives, and what a graph cannot replay raises, naming the param group.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def with_tide(config):
     training = getattr(config, "training", None)
     if training is not None and getattr(training, "disable_cuda_graphs", True) is False:
         training.disable_cuda_graphs = True
-        log.warning("tide.torchtitan: set training.disable_cuda_graphs = True: TIDE's collectives "
-                    "cannot be captured in a CUDA graph yet (steps run eagerly)")
+        log.warning("tide.torchtitan: set training.disable_cuda_graphs = True: TIDE inside a captured "
+                    "step is not yet checked against run-by-run training on a GPU (steps run eagerly)")
     return config
 
 

@@ -1178,43 +1178,5 @@ TEST(CudaCollectives, RejectsBadBindingsBeforeEnqueuing) {
   EXPECT_EQ(reports[0].rfind("InvalidArgument: Executor::run: inputs.size() = 0", 0), 0u)
       << reports[0];
 }
-
-// A collective enqueued while its stream captures a CUDA graph is refused before its epoch moves
-// (a replay would repeat this run's flag values); after the capture ends the same executor runs.
-TEST(CudaCollectives, ACapturingStreamIsRefusedBeforeAnythingMoves) {
-  TIDE_REQUIRE_GPU();
-  const BucketLayout layout({{"w", {8, 8}, DType::kBF16, DType::kFP32}}, Topology::single_node(1));
-  const harness::TempDir dir;
-  const auto reports = harness::run_rank_processes(1, [&](int rank, Bootstrap& b) {
-    select_device(rank);
-    auto window = CudaWindow::create(b, layout.window_bytes());
-    cudaStream_t stream = nullptr;
-    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    CudaExecutor executor(*window, stream, 1000ms);
-    void* shard = nullptr;
-    CHECK_CUDA(cudaMalloc(&shard, 64 * sizeof(float)));
-    CHECK_CUDA(cudaMemset(shard, 0, 64 * sizeof(float)));
-    Bindings bindings;
-    bindings.inputs = {shard};
-    const Program program = plan_all_gather(layout, 0);
-    std::string refused;
-    cudaGraph_t graph = nullptr;
-    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      executor.run(program, bindings);
-    } catch (const InvalidArgument& e) {
-      refused = e.what();
-    }
-    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-    if (graph) CHECK_CUDA(cudaGraphDestroy(graph));
-    if (refused.find("stream = capturing a CUDA graph") == std::string::npos)
-      throw std::runtime_error("capture: '" + refused + "'");
-    executor.run(program, bindings);  // not failed: nothing was enqueued
-    executor.synchronize();
-    CHECK_CUDA(cudaFree(shard));
-  }, gpu_ranks(dir)).reports;
-  EXPECT_EQ(reports[0], "ok");
-}
-
 }  // namespace
 }  // namespace tide

@@ -1,58 +1,282 @@
-"""tide.fsdp under CUDA graph capture, stepped as torchtitan 0.3.0 steps by default (warm-up steps
-on a side stream, then one capture with ``torch.cuda.graph(..., capture_error_mode="thread_local")``):
-TIDE's collectives cannot be captured yet, so the capture must fail with TIDE's own error naming
-the param group, on every rank, never an opaque CUDA error or a stale replay; eager steps before it
-train as usual. W = 2 ranks as processes sharing one GPU (gloo between them). Skips without CUDA.
+"""tide.fsdp inside captured steps, as torchtitan 0.3.0 runs every GPU step by default: one
+warm-up micro-batch on a side stream, one capture of forward + backward into a shared pool with
+``capture_error_mode="thread_local"`` (torchtitan's own ``wrap_with_cuda_graph`` where torchtitan
+imports), or a plain ``torch.cuda.graph``; a replay for every later micro-batch, the optimizer
+outside. Each configuration trains the same model run by run and captured, TIDE in both: losses and
+parameters bitwise equal over >= 5 replays, every group handled, TIDE's collectives in the graph.
+What a graph cannot replay raises at capture, naming the group; a peer that stops replaying ends
+the waiting process within TIDE's timeout, naming the peer. W = 2 ranks as processes sharing one
+GPU (gloo). Skips without CUDA.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
 import pytest
 import torch
-import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_harness as h
 import tide
 import tide.fsdp
+from tide.bench.model import PRESETS
 
 pytestmark = pytest.mark.skipif(not (tide.cuda_built and torch.cuda.is_available()),
                                 reason="needs a CUDA build of TIDE and a GPU")
 
+CONFIGS = {
+    "reshard_after_forward": dict(preset="tiny", mp="fp32", reshard=True),
+    "keep_after_forward": dict(preset="tiny", mp="fp32", reshard=False),
+    "bf16_fp32_reduce": dict(preset="tiny", mp="bf16", reshard=True),
+    "float8_all_gather": dict(preset="tiny", mp="bf16", reshard=True, float8=True),
+    "moe": dict(preset="qwen3-moe-tiny", mp="bf16", reshard=True),
+    "grad_accumulation": dict(preset="tiny", mp="bf16", reshard=True, micro=3),
+}
+STEPS = 6
 
-def capture_a_step(rank: int, world: int, device) -> dict:
+
+def _build(c: dict, device):
+    cfg = PRESETS[c["preset"]]
+    if c["preset"].startswith("qwen3-moe"):
+        cfg = dataclasses.replace(cfg, capturable=True)
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)]).to(device)
-    for block in model:
-        fully_shard(block)
-    fully_shard(model)
+    with torch.device(device):
+        model = cfg.build()
+    if c.get("float8"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from tide.bench.fsdp_bench import float8_linear
+        convert_to_float8_training(model, module_filter_fn=float8_linear,
+                                   config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if c["mp"] == "bf16" else MixedPrecisionPolicy())
+    for unit, placement in model.fsdp_units():
+        fully_shard(unit, mp_policy=policy, shard_placement_fn=placement,
+                    reshard_after_forward=c["reshard"])
+    fully_shard(model, mp_policy=policy, reshard_after_forward=c["reshard"])
+    return cfg, model
+
+
+class _Captured:
+    """fwd_bwd captured at its second call and replayed from then on, stepped as torchtitan's
+    CUDAGraphWrapper steps it (mode "titan": its own class where torchtitan imports), or with a
+    plain torch.cuda.graph (mode "plain": its default, global capture mode)."""
+
+    def __init__(self, fwd_bwd, mode: str):
+        self.fwd_bwd, self.mode, self.calls = fwd_bwd, mode, 0
+        self.graph = self.static = self.output = None
+        self.side = torch.cuda.Stream()
+
+    def __call__(self, *batch):
+        self.calls += 1
+        if self.calls == 1:  # the warm-up, on a side stream
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                out = self.fwd_bwd(*batch)
+            torch.cuda.current_stream().wait_stream(self.side)
+            return out
+        if self.graph is None:
+            self.static = batch
+            self.graph = torch.cuda.CUDAGraph()
+            kwargs = ({"pool": torch.cuda.graph_pool_handle(), "stream": self.side,
+                       "capture_error_mode": "thread_local"} if self.mode == "titan" else {})
+            with torch.cuda.graph(self.graph, **kwargs):
+                self.output = self.fwd_bwd(*self.static)
+        for mine, new in zip(self.static, batch):
+            mine.copy_(new)
+        self.graph.replay()
+        return self.output
+
+
+def _wrapper(fwd_bwd, mode: str):
+    if mode == "titan":
+        try:
+            from torchtitan.distributed.cudagraph import CUDAGraphWrapper
+        except ImportError:
+            return _Captured(fwd_bwd, mode)
+        example = None
+
+        def call(*batch):
+            nonlocal example
+            if example is None:
+                example = CUDAGraphWrapper(fwd_bwd, batch)
+            return example(*batch)
+        call.torchtitan = True
+        return call
+    return _Captured(fwd_bwd, mode)
+
+
+def train(rank: int, world: int, device, name: str, mode: str) -> dict:
+    """STEPS optimizer steps of `micro` micro-batches each, run by run ("eager") or captured."""
+    c = CONFIGS[name]
+    cfg, model = _build(c, device)
     handle = tide.fsdp.enable(model, timeout_ms=60000)
-    x = torch.randn(8, 64, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # torchtitan's warm-up steps
-        for _ in range(2):
-            model(x).sum().backward()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    eager_all_gathers = handle.counts()["all_gathers"]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)
+
+    def fwd_bwd(*batch):
+        loss = cfg.loss(model, batch)
+        loss.backward()
+        return loss.detach()
+
+    step = fwd_bwd if mode == "eager" else _wrapper(fwd_bwd, mode)
+    losses, captured_counts = [], None
+    for s in range(STEPS):
+        for _ in range(c.get("micro", 1)):
+            batch = cfg.batch(2, 16, gen, device)
+            before = handle.counts()
+            losses.append(step(*batch).clone())
+            if mode != "eager" and captured_counts is None and s * c.get("micro", 1) >= 1:
+                after = handle.counts()  # the capture ran TIDE's collectives (a replay calls nothing)
+                captured_counts = {k: after[k] - before[k] for k in ("all_gathers", "reduce_scatters")}
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # as torchtitan does with captured steps
+    torch.cuda.synchronize()
+    tide.fsdp.disable(model)
+    return {"losses": [x.float().cpu() for x in losses],
+            "params": [p.to_local().detach().float().cpu() for p in model.parameters()],
+            "buckets": len(handle.buckets), "fallbacks": handle.fallbacks,
+            "captured_counts": captured_counts, "replays": STEPS * c.get("micro", 1) - 1,
+            "torchtitan": getattr(step, "torchtitan", False)}
+
+
+def _modes(name: str) -> tuple:
+    return ("titan", "plain") if name in ("reshard_after_forward", "bf16_fp32_reduce") else ("titan",)
+
+
+def train_every_config(rank: int, world: int, device) -> dict:
+    """Every configuration, run by run and in each of its captured modes, in one world (starting
+    ranks costs seconds each); a configuration's error is its result."""
+    results = {}
+    for name in CONFIGS:
+        for mode in ("eager",) + _modes(name):
+            try:
+                if CONFIGS[name].get("float8"):
+                    import torchao.float8  # noqa: F401
+                results[name, mode] = train(rank, world, device, name, mode)
+            except Exception as e:  # noqa: BLE001 - reported by the test of that configuration
+                results[name, mode] = f"{type(e).__name__}: {e}"
+            finally:
+                try:
+                    from torchtitan.distributed.cudagraph import cudagraph_teardown
+                    cudagraph_teardown()
+                except ImportError:
+                    pass
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return h.run_processes(2, train_every_config, device_type="cuda")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_captured_steps_train_bitwise_as_run_by_run(runs, name):
+    if CONFIGS[name].get("float8") and "No module named 'torchao" in str(runs[0][name, "eager"]):
+        pytest.skip("needs torchao")
+    for rank, results in enumerate(runs):
+        eager = results[name, "eager"]
+        assert isinstance(eager, dict), f"{name}, run by run, rank {rank}: {eager}"
+        for mode in _modes(name):
+            mine, where = results[name, mode], f"{name}, {mode}, rank {rank}"
+            assert isinstance(mine, dict), f"{where}: {mine}"
+            assert mine["fallbacks"] == [] and mine["buckets"] == eager["buckets"] > 0, (where, mine["fallbacks"])
+            counts = mine["captured_counts"]
+            assert counts and counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, (where, counts)
+            assert mine["replays"] >= 5, where
+            for k, (a, b) in enumerate(zip(eager["losses"], mine["losses"])):
+                assert torch.equal(a, b), f"{where}: loss of micro-batch {k}: {a} (run by run) != {b}"
+            for k, (a, b) in enumerate(zip(eager["params"], mine["params"])):
+                assert torch.equal(a, b), f"{where}: param {k}: max diff {(a - b).abs().max()}"
+
+
+def capture_first_step(rank: int, world: int, device) -> str:
+    _, model = _build(CONFIGS["reshard_after_forward"], device)
+    tide.fsdp.enable(model, timeout_ms=60000)
+    x = torch.randint(0, 256, (2, 16), device=device)
     graph = torch.cuda.CUDAGraph()
-    error = ""
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             model(x).sum().backward()
-    except Exception as e:  # noqa: BLE001 - reported to the test
+    except RuntimeError as e:
         chain = [e]
         while chain[-1].__context__ is not None:
             chain.append(chain[-1].__context__)
-        error = " <- ".join(f"{type(c).__name__}: {c}" for c in chain)
-    return {"error": error, "eager_all_gathers": eager_all_gathers, "buckets": len(handle.buckets),
-            "fallbacks": handle.fallbacks}
+        return " <- ".join(str(c) for c in chain)
+    return "captured"
 
 
-def test_capture_reaching_a_tide_collective_raises_naming_the_group():
-    for rank, r in enumerate(h.run_processes(2, capture_a_step, device_type="cuda")):
-        assert r["buckets"] == 4 and r["fallbacks"] == [], r  # the 4 blocks (the root holds no params)
-        assert r["eager_all_gathers"] > 0, r  # the warm-up steps ran through TIDE
-        assert "TIDE's collectives cannot be captured yet" in r["error"], f"rank {rank}: {r['error']}"
-        assert "tide.fsdp: param group 0: its all-gather" in r["error"], f"rank {rank}: {r['error']}"
+def test_a_capture_before_any_step_raises_naming_the_group():
+    for rank, error in enumerate(h.run_processes(2, capture_first_step, device_type="cuda")):
+        assert "tide.fsdp: param group" in error and "its first all-gather is being captured" in error, \
+            f"rank {rank}: {error}"
+        assert "which a CUDA graph cannot replay" in error, f"rank {rank}: {error}"
+
+
+# --- a peer that stops replaying --------------------------------------------------------------------
+
+TIMEOUT_MS = 3000
+
+
+def _stuck_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", 0)
+    cfg, model = _build(CONFIGS["reshard_after_forward"], device)
+    tide.fsdp.enable(model, timeout_ms=TIMEOUT_MS)
+    gen = torch.Generator().manual_seed(rank)
+
+    def fwd_bwd(*batch):
+        loss = cfg.loss(model, batch)
+        loss.backward()
+        return loss.detach()
+
+    step = _Captured(fwd_bwd, "titan")
+    for _ in range(3):  # warm-up, capture + replay, replay
+        step(*cfg.batch(2, 16, gen, device))
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:  # stops replaying: waits until the test ends it
+        open(os.path.join(out_dir, "stopped"), "w").close()
+        time.sleep(120)
+        return
+    import resource
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    log = os.open(os.path.join(out_dir, "stderr.0"), os.O_WRONLY | os.O_CREAT)
+    os.dup2(log, 2)  # what the watchdog prints, in C
+    with open(os.path.join(out_dir, "started"), "w") as f:
+        f.write(str(time.monotonic()))
+    step(*cfg.batch(2, 16, gen, device))
+    torch.cuda.synchronize()  # the watchdog ends this process first
+    with open(os.path.join(out_dir, "returned"), "w") as f:
+        f.write("the replay returned")
+
+
+def test_a_peer_that_stops_replaying_ends_the_waiting_process_naming_it():
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(_stuck_worker, args=(2, h._free_port(), out_dir), nprocs=2,
+                                     join=False, start_method="spawn")
+        survivor, stopped = context.processes
+        survivor.join(timeout=120)
+        ended = time.monotonic()
+        stopped.kill()
+        stopped.join()
+        assert os.path.exists(os.path.join(out_dir, "stopped")), "rank 1 did not get to stop"
+        assert not os.path.exists(os.path.join(out_dir, "returned")), "rank 0's replay returned"
+        assert survivor.exitcode is not None and survivor.exitcode != 0, survivor.exitcode
+        with open(os.path.join(out_dir, "stderr.0")) as f:
+            printed = f.read()
+        with open(os.path.join(out_dir, "started")) as f:
+            started = float(f.read())
+        print(printed, file=sys.stderr)
+        assert "tide: rank 0: timed out after 3000 ms waiting for" in printed, printed
+        assert "from rank 1" in printed and "a replay of a CUDA graph" in printed, printed
+        assert "the process ends here" in printed, printed
+        assert TIMEOUT_MS / 1000 - 0.1 <= ended - started < TIMEOUT_MS / 1000 + 15, ended - started

@@ -27,25 +27,25 @@ def lease_rank(rank: int) -> dict:
     storage = _fsdp2.UnshardedStorage([torch.zeros(4)])
     seen = {}
 
-    first = a.acquire_for_all_gather()
+    first = a.acquire_for_all_gather(0, "b")
     assert a.vacate(storage) and a.vacate(storage)  # once per param: the first call acts
     assert pool.is_pending(first, a)
-    seen["regather_same"] = a.acquire_for_all_gather() is first  # taken back before anyone else
+    seen["regather_same"] = a.acquire_for_all_gather(0, "b") is first  # taken back before anyone else
     seen["remaps_after_regather"] = counts.remaps
 
     a.vacate(storage)
-    seen["b_takes_vacated"] = b.acquire_for_all_gather() is first  # the pool released a's window
+    seen["b_takes_vacated"] = b.acquire_for_all_gather(0, "b") is first  # the pool released a's window
     seen["a_vacate_after_release"] = a.vacate(storage)  # a's params are no longer on it
     b.vacate(storage)
-    staged = a.staging_window(WINDOW_BYTES)  # b's pending window is not a's to reuse as its own
+    staged = a.staging_window(WINDOW_BYTES, 0, "b")  # b's pending window is not a's to reuse as its own
     seen["a_staging_not_reclaimed"] = a.window is None and staged is first and not pool.pending
     a.release_staging(staged)
 
-    second = b.acquire_for_all_gather()  # b's vacated window went to the free list: mapped already
+    second = b.acquire_for_all_gather(0, "b")  # b's vacated window went to the free list: mapped already
     b.vacate(storage)
-    seen["b_slot_reuse"] = b.staging_window(WINDOW_BYTES) is second and not pool.pending
+    seen["b_slot_reuse"] = b.staging_window(WINDOW_BYTES, 0, "b") is second and not pool.pending
     b.release_staging(second)
-    wide = a.staging_window(2 * WINDOW_BYTES)
+    wide = a.staging_window(2 * WINDOW_BYTES, 0, "b")
     seen["wide"] = wide in pool.wide[2 * WINDOW_BYTES].windows and wide not in pool.windows
     a.release_staging(wide)
     seen["windows"], seen["remaps"] = len(pool.windows), counts.remaps

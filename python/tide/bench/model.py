@@ -214,6 +214,9 @@ class Qwen3MoeConfig(_ConfigBase):
     # Each expert a module of three nn.Linear (gate, up, down), as Hugging Face MoE models keep
     # them: 3 x experts params per layer's experts group instead of 3 grouped tensors.
     experts_as_modules: bool = False
+    # Routing without a host sync, so a step can be captured in a CUDA graph: every expert runs
+    # every routed slot and each slot keeps its own expert's row (experts x the expert FLOPs).
+    capturable: bool = False
     family = "qwen3-moe"
 
     def validate(self) -> None:
@@ -288,7 +291,7 @@ class MoE(nn.Module):
 
     def __init__(self, c: Qwen3MoeConfig):
         super().__init__()
-        self.top_k, self.num_experts = c.top_k, c.experts
+        self.top_k, self.num_experts, self.capturable = c.top_k, c.experts, c.capturable
         self.router = nn.Linear(c.dim, c.experts, bias=False)
         self.experts = (ModuleExperts if c.experts_as_modules else GroupedExperts)(
             c.experts, c.dim, c.expert_hidden)
@@ -300,6 +303,13 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)                  # [T, k]
         weights = weights / weights.sum(-1, keepdim=True)
         flat = chosen.flatten()                                           # slot i: token i // k
+        if self.capturable:
+            slots = x.unsqueeze(1).expand(b * s, self.top_k, d).reshape(-1, d)
+            n = slots.shape[0]
+            every = self.experts(slots.repeat(self.num_experts, 1), [n] * self.num_experts)
+            y = every.view(self.num_experts, n, d)[flat, torch.arange(n, device=flat.device)]
+            y = y.view(b * s, self.top_k, d)
+            return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1).view(b, s, d)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         slots = x.unsqueeze(1).expand(b * s, self.top_k, d).reshape(-1, d)

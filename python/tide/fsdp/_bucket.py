@@ -15,6 +15,7 @@ import torch.distributed as dist
 from .. import _tide
 from . import _fsdp2
 from ._agreement import exchange
+from ._capture import capture_id, not_capturable
 from ._dtypes import TIDE_TO_TORCH, TORCH_TO_TIDE
 from ._extension import ExtensionGather, uses_extension
 from ._pool import WindowPool
@@ -63,18 +64,6 @@ def _profiled(label: Callable[[], str], cuda: bool) -> contextlib.ExitStack:
     if cuda:
         stack.enter_context(torch.cuda.nvtx.range(label()))
     return stack
-
-
-def refuse_capture(path: str, collective: str) -> None:
-    """A CUDA graph capture reaching a TIDE collective is refused, naming the group: the executor
-    would record this run's epochs and flag values, which a replay repeats (CudaExecutor::run
-    refuses it too, without the group's name)."""
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"tide.fsdp: param group {path}: its {collective} was reached while a CUDA graph is "
-            "being captured; TIDE's collectives cannot be captured yet. Run the step eagerly "
-            "(torchtitan: --training.disable_cuda_graphs, which tide.torchtitan sets), or "
-            "tide.fsdp.disable(model) to capture with stock FSDP2")
 
 
 class Bucket:
@@ -189,11 +178,14 @@ class Bucket:
                              "after tide.fsdp.enable; set it before enable (the group then stays stock)")
 
     def all_gather(self, stream: torch.cuda.Stream | None = None) -> _fsdp2.AllGatherResult:
-        if self.cuda:
-            refuse_capture(self.path, "all-gather")
+        capture = capture_id(self.pool.device) if self.cuda else 0
+        if capture and (not self.param_outputs or (self.gather is not None and self.gather.unchecked)):
+            raise not_capturable(self.path, "its first all-gather is being captured (it lays the "
+                                 "group out and checks it with the other ranks on the host)",
+                                 "run one step uncaptured first, as torchtitan's warm-up steps do")
         if not self.param_outputs:
             self._follow_extensions()
-        window = self.lease.acquire_for_all_gather()
+        window = self.lease.acquire_for_all_gather(capture, self.path)
         self._ensure_param_outputs()
         event = None
         with _profiled(lambda: f"tide::all_gather {self.path} ({self.ag_bytes} B)", self.cuda):
@@ -203,12 +195,12 @@ class Bucket:
                 stream = stream or torch.cuda.current_stream(self.pool.device)
                 stream.wait_stream(torch.cuda.current_stream(self.pool.device))
                 with torch.cuda.stream(stream):
-                    shards = self._shards(stream)
-                window.use_on(stream)
+                    shards = self._shards(stream, capture)
+                window.use_on(stream, capture)
                 window.run(self.ag_program, [s.data_ptr() for s in shards], (), self._scales())
                 event = stream.record_event()
             else:  # `shards` referenced until the program has read them (extension inputs are new tensors)
-                shards = self._shards(None)
+                shards = self._shards(None, 0)
                 window.run(self.ag_program, [s.data_ptr() for s in shards], (), self._scales())
         if self.gather is not None and self.gather.unchecked:
             with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
@@ -225,15 +217,16 @@ class Bucket:
         """The scales of the e4m3 casts of the shards _shards just made ([] without such casts)."""
         return self.gather.scale_pointers() if self.gather is not None else []
 
-    def _shards(self, stream: torch.cuda.Stream | None) -> list[torch.Tensor]:
+    def _shards(self, stream: torch.cuda.Stream | None, capture: int) -> list[torch.Tensor]:
         """What the all-gather program reads: each laid-out param's padded shard, or with all-gather
         extensions each param's all-gather inputs (_extension.py)."""
         if self.gather is not None:
             return self.gather.shards(self.fsdp_params, lambda i, j: self._shard(
-                self.fsdp_params[i], self.gather_layout.params[j], stream))
-        return [self._shard(fp, p, stream) for p, fp in zip(self.layout.params, self.laid_out)]
+                self.fsdp_params[i], self.gather_layout.params[j], stream, capture))
+        return [self._shard(fp, p, stream, capture) for p, fp in zip(self.layout.params, self.laid_out)]
 
-    def _shard(self, fp: _fsdp2.FSDPParam, p: _tide.ParamLayout, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    def _shard(self, fp: _fsdp2.FSDPParam, p: _tide.ParamLayout, stream: torch.cuda.Stream | None,
+               capture: int) -> torch.Tensor:
         """FSDP param `fp`'s padded shard as the all-gather reads it for layout param `p`. With CPU
         offload on CUDA the shards live in host memory: each goes to the device by a copy engine on
         the all-gather stream (a shard-sized tensor, as stock FSDP2's own offload copy; no
@@ -249,6 +242,10 @@ class Bucket:
             raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
                                "not contiguous (FSDP2 internals changed?)")
         if stream is not None and data.device.type == "cpu" and _fsdp2.offloaded(fp):
+            if capture:
+                raise not_capturable(self.path, "its shards are offloaded to the CPU (FSDP2's "
+                                     "CPUOffloadPolicy), and the optimizer steps them on the host",
+                                     "capture without CPU offload")
             data = data.to(self.pool.device, non_blocking=data.is_pinned())
         if data.device.type != self.pool.device.type:
             raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
@@ -334,6 +331,7 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
             raise RuntimeError("tide.fsdp: reduce-scatter called without TIDE's gradient hand-off "
                                "(FSDP2 internals changed?)")
         bucket, grads = self.bucket, self.grads
+        capture = capture_id(bucket.pool.device) if bucket.cuda else 0
         if op == dist.ReduceOp.AVG:
             options_key = (_tide.ReduceKind.avg, 1.0)
         elif op == dist.ReduceOp.SUM:
@@ -346,20 +344,19 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
         base = output_tensor.data_ptr()
         outputs = [base + offset for offset in plan.output_offsets]
         inputs = list(map(torch.Tensor.data_ptr, grads))
-        window = bucket.lease.staging_window(program.window_bytes)
+        window = bucket.lease.staging_window(program.window_bytes, capture, bucket.path)
         nbytes = plan.grad_bytes
         bucket.counts.reduce_scatters += 1
         bucket.counts.reduce_scatter_bytes += nbytes
         try:
             with _profiled(lambda: f"tide::reduce_scatter {bucket.path} ({nbytes} B)", bucket.cuda):
                 if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
-                    refuse_capture(bucket.path, "reduce-scatter")
                     stream = torch.cuda.current_stream(bucket.pool.device)
-                    window.use_on(stream)
+                    window.use_on(stream, capture)
                     window.run(program, inputs, outputs)
                     for g in grads:  # read in place on this stream; freed by the compute stream
                         g.record_stream(stream)
-                    window.ready = stream.record_event()
+                    window.set_ready(stream.record_event(), capture)
                 else:
                     window.run(program, inputs, outputs)
         finally:

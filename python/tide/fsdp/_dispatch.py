@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from . import _fallbacks, _fsdp2, _hooks
 from ._bucket import Bucket, ReduceScatterComm
+from ._capture import capture_id, not_capturable
 
 log = logging.getLogger("tide.fsdp")
 _logged: set = set()
@@ -69,6 +70,7 @@ def foreach_reduce(*args: object, **kwargs: object) -> object:
     subset = tuple(map(bucket.index.__getitem__, map(id, fsdp_params)))
     reason = _fallbacks.reduce_scatter_reason(bucket, subset, fsdp_params, grads, call)
     if reason:
+        _refuse_stock_capture(bucket, reason)
         _log_once(("rs", bucket.path, reason), "tide.fsdp: param group %s: this reduce-scatter runs "
                   "stock FSDP2: %s", bucket.path, reason)
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
@@ -81,6 +83,17 @@ def foreach_reduce(*args: object, **kwargs: object) -> object:
             return _hooks.stock("foreach_reduce")(*args, **kwargs)
     finally:
         pending.remove(comm)
+
+
+def _refuse_stock_capture(bucket: Bucket, reason: str) -> None:
+    """A call that runs stock FSDP2 is captured by the process group's own collective: NCCL's can
+    be, gloo's cannot (ranks sharing a GPU), which is refused here with the group and the reason."""
+    if bucket.cuda and capture_id(bucket.pool.device):
+        backend = str(dist.get_backend(bucket.group))
+        if "nccl" not in backend:
+            raise not_capturable(bucket.path, f"this reduce-scatter runs stock FSDP2 ({reason}) over "
+                                 f"its '{backend}' process group", "remove the cause, or give the "
+                                 "group an NCCL backend, whose collectives can be captured")
 
 
 def _pending_comms() -> list[ReduceScatterComm]:

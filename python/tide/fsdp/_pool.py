@@ -8,15 +8,18 @@ import torch.distributed as dist
 
 from .. import _tide
 from ..distributed import store_bootstrap
+from ._capture import not_capturable
 
 
 class PooledWindow:
     """One window of a pool and its executor. On CUDA, `ready` is the event after which the window
-    may be written again (its last reader's stream recorded it)."""
+    may be written again (its last reader's stream recorded it), and `ready_capture` the CUDA graph
+    capture it was recorded in (0: none)."""
 
     def __init__(self, window, executor) -> None:
         self.shared, self.executor = window, executor
         self.ready = None  # torch.cuda.Event or None
+        self.ready_capture = 0
         # CUDA: each program this window runs, prepared once (_tide.PreparedProgram): a run with the
         # pointers of the one before skips the executor's checks and lowering, a pass per param.
         # Keyed by the program object, which the dict keeps alive.
@@ -33,9 +36,17 @@ class PooledWindow:
             prepared = self.prepared[program] = self.executor.prepare(program)
         self.executor.run(prepared, inputs, outputs, scales)
 
-    def use_on(self, stream: torch.cuda.Stream) -> None:
-        """CUDA: the next program on this window runs on `stream`, after the window's last use."""
-        if self.ready is not None:
+    def set_ready(self, event: torch.cuda.Event, capture: int) -> None:
+        self.ready, self.ready_capture = event, capture
+
+    def use_on(self, stream: torch.cuda.Stream, capture: int) -> None:
+        """CUDA: the next program on this window runs on `stream` (in CUDA graph capture `capture`,
+        0: none), after the window's last use. A last use recorded outside that capture is not
+        waited for: CUDA refuses a captured wait on other work, and there is none to wait for. A
+        capture starts after a synchronize (torch.cuda.graph's), a replay runs after what its
+        stream was given before it, and a run after a replay runs after it on FSDP2's streams
+        (each waits for the compute stream that launched the replay)."""
+        if self.ready is not None and self.ready_capture == capture:
             stream.wait_event(self.ready)
         self.executor.set_stream(stream.cuda_stream)
 
@@ -60,16 +71,21 @@ class WindowPool:
         self.pending: dict[PooledWindow, object] = {}
         self.stats_enabled = False
 
-    def acquire(self, prefer: PooledWindow | None = None) -> PooledWindow:
+    def acquire(self, prefer: PooledWindow | None = None, capture: int = 0, path: str = "") -> PooledWindow:
         """A free window: `prefer` when it is free (the window a bucket's fixed address maps
         already, so the bucket need not remap it), else the last released, else a new one. Every
-        rank has the same free list and preference, so every rank takes the same window."""
+        rank has the same free list and preference, so every rank takes the same window. A new one
+        is refused during a CUDA graph capture (`capture`, for group `path`)."""
         self.release_pending()
         if prefer is not None and prefer in self.free:
             self.free.remove(prefer)
             return prefer
         if self.free:
             return self.free.pop()
+        if capture:
+            raise not_capturable(path, "it needs a new window while the step is captured (all "
+                                 "ranks create it together, on the host)",
+                                 "run one step uncaptured first, as torchtitan's warm-up steps do")
         if self.device.type == "cuda":
             # IPC between nodes: every rank's window is mapped (all on this host). NCCL: a
             # communicator per window, since windows can have an all-gather and a reduce-scatter

@@ -8,6 +8,7 @@ import torch
 
 from .. import _tide
 from . import _fsdp2
+from ._capture import capture_id, not_capturable
 from ._pool import PooledWindow, WindowPool
 
 
@@ -41,13 +42,21 @@ class WindowLease:
         self.window, self.vacated = None, False
         return False
 
-    def acquire_for_all_gather(self) -> PooledWindow:
+    def acquire_for_all_gather(self, capture: int, path: str) -> PooledWindow:
         """The window the all-gather writes, mapped at the fixed address: the one this lease still
-        has, else a pool window (preferring the one mapped here already: no remap)."""
+        has, else a pool window (preferring the one mapped here already: no remap). During a CUDA
+        graph capture (`capture`, for group `path`) a remap is refused."""
         if self._reclaim():
             return self.window
-        window = self.pool.acquire(prefer=self.mapped)
+        window = self.pool.acquire(prefer=self.mapped, capture=capture, path=path)
         try:
+            if capture and self.mapped is not window:
+                raise not_capturable(path, "its all-gather must map another pooled window at the "
+                                     "group's address (the host remaps it once the params' last "
+                                     "readers are done), as every step of this model does: its "
+                                     "groups share fewer windows than they hold at once",
+                                     "capture a model whose groups keep their windows (the pool "
+                                     "makes one per group held at once), or run uncaptured")
             self._map(window)
         except BaseException:  # not mapped: not this lease's, so back to the pool
             self.pool.release(window)
@@ -81,24 +90,24 @@ class WindowLease:
         storage.release()
         if self.cuda:  # the params' last readers were enqueued on the current stream
             self.freed = torch.cuda.current_stream(self.pool.device).record_event()
-            self.window.ready = self.freed
+            self.window.set_ready(self.freed, capture_id(self.pool.device))
         self.vacated = True
         self.pool.release_later(self.window, self)
         return True
 
-    def staging_window(self, window_bytes: int) -> PooledWindow:
+    def staging_window(self, window_bytes: int, capture: int, path: str) -> PooledWindow:
         """The window the reduce-scatter stages in (`window_bytes` its program's): the one the
         all-gather vacated (Slot-Reuse), else a pool window (the params are still in use:
         reshard_after_backward=False), or a wide pool's when the program outgrows the pool's
         windows. `release_staging` returns it."""
         if window_bytes > self.pool.window_bytes:
             self.staging_pool = self.pool.wide_pool(window_bytes)
-            return self.staging_pool.acquire()
+            return self.staging_pool.acquire(capture=capture, path=path)
         self.staging_pool = self.pool
         if self.vacated and self._reclaim():
             window, self.window, self.vacated = self.window, None, False
             return window
-        return self.pool.acquire()
+        return self.pool.acquire(capture=capture, path=path)
 
     def release_staging(self, window: PooledWindow) -> None:
         self.staging_pool.release(window)

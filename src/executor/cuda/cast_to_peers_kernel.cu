@@ -30,6 +30,7 @@ struct CastToPeersTable {
   uint64_t epoch;
   uint64_t tag;
   uint64_t wait_id;
+  int equal;
   unsigned int* arrivals;
   uint64_t* reached;
   uint64_t* passed;
@@ -50,6 +51,11 @@ __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* word) {
   uint64_t value;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
   return value;
+}
+
+// A flag's epoch word against the awaited epoch: equal (a captured run's fixed value) or reached.
+__device__ __forceinline__ bool flag_meets(uint64_t seen, uint64_t epoch, int equal) {
+  return equal ? seen == epoch : static_cast<int64_t>(seen - epoch) >= 0;
 }
 
 // kernels.cuh says what it does and why; FlagWord is {epoch, tag}.
@@ -83,7 +89,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
       // words into the own flags, which completes while this kernel spins (seen on an H200).
       for (int k = 0; k < table.num_waits; ++k) {
         unsigned int backoff = 32;
-        while (static_cast<int64_t>(load_acquire_system(table.waits[k]) - table.epoch) < 0 ||
+        while (!flag_meets(load_acquire_system(table.waits[k]), table.epoch, table.equal) ||
                *reinterpret_cast<const volatile uint64_t*>(table.waits[k] + 1) != table.tag) {
           __nanosleep(backoff);
           backoff = min(backoff * 2, 256u);
@@ -163,6 +169,7 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
   table.epoch = spec.epoch;
   table.tag = spec.tag;
   table.wait_id = spec.wait_id;
+  table.equal = spec.equal ? 1 : 0;
   table.arrivals = spec.arrivals;
   table.reached = spec.reached;
   table.passed = spec.passed;

@@ -111,16 +111,17 @@ class Lowering {
     return i;
   }
 
-  // As enqueue_flag_ops issues them: per signal two writes, per wait two waits, and the two
-  // marks around the call's waits.
+  // As enqueue_flag_ops issues them: per signal two writes, per wait two waits (and its clear
+  // when the run is captured in a CUDA graph: the lowering serves both), and the two marks around
+  // the call's waits.
   std::size_t flag_ops(std::size_t first) {
     std::size_t count = 0, i = first;
     bool waits = false;
-    for (; i < steps_.size() && (i == first || batchable(i)) && count + 4 <= kMaxMemOps; ++i) {
+    for (; i < steps_.size() && (i == first || batchable(i)) && count + 5 <= kMaxMemOps; ++i) {
       if (std::holds_alternative<SignalOp>(steps_[i].op)) {
         count += 2;
       } else if (std::holds_alternative<WaitOp>(steps_[i].op)) {
-        count += waits ? 2 : 3;
+        count += waits ? 3 : 4;
         waits = true;
       } else {
         break;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <variant>
 
 #include "cuda_executor_impl.hpp"
 #include "tide/error.hpp"
@@ -56,15 +57,15 @@ void CudaExecutor::Impl::use_stream(cudaStream_t s) {
 }
 
 PendingWait CudaExecutor::Impl::new_wait(PendingWait::Kind kind, cudaStream_t on, uint64_t epoch,
-                                         uint64_t tag, int peer, Phase phase) {
+                                         uint64_t tag, int peer, Phase phase, bool captured) {
   PendingWait record;
   record.id = WaitMarks::next_id();
   {
     std::lock_guard<std::mutex> lock(mutex);
-    record.slot = marks->slot_of(on);
+    record.slot = marks->slot_of(on, captured);
   }
   record.kind = kind, record.epoch = epoch, record.tag = tag, record.peer = peer;
-  record.phase = phase;
+  record.phase = phase, record.captured = captured;
   return record;
 }
 
@@ -81,8 +82,16 @@ void CudaExecutor::Impl::watch(PendingWait&& record) {
   bool asleep = false;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    marks->hold(record.slot);
-    pending.push_back(std::move(record));
+    if (record.captured) {
+      const int slot = record.slot;
+      if (std::none_of(captured_slots.begin(), captured_slots.end(),
+                       [&](const CapturedSlot& c) { return c.slot == slot; }))
+        captured_slots.push_back({slot, 0, 0, cuda_executor_detail::Clock::now()});
+      captured.push_back(std::move(record));
+    } else {
+      marks->hold(record.slot);
+      pending.push_back(std::move(record));
+    }
     asleep = watchdog_asleep;
   }
   // A watchdog that is still polling finds the record within 1 ms: no futex wake on every run.
@@ -205,6 +214,28 @@ void* CudaExecutor::stream() const { return impl_->stream; }
 void CudaExecutor::set_stream(void* stream) {
   impl_->stream = static_cast<cudaStream_t>(stream);
   impl_->use_stream(impl_->stream);
+}
+
+std::string CudaExecutor::capture_refusal(const Program& program) {
+  for (const Step& step : program.steps)
+    if (std::holds_alternative<NetSendOp>(step.op) || std::holds_alternative<NetRecvOp>(step.op))
+      return "an across-node program (its network transfers count sends on the host, and NCCL "
+             "groups and IPC mailboxes run on streams of their own): run it uncaptured";
+  return "";
+}
+
+uint64_t cuda_capture_id(void* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  const cudaError_t error =
+      cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &id);
+  if (error != cudaSuccess) {
+    (void)cudaGetLastError();  // the legacy stream answers an error while another stream captures
+    throw InvalidArgument(detail::concat(
+        "cuda_capture_id: stream: the legacy stream while another stream captures (",
+        cudaGetErrorString(error), "); expected a stream of its own"));
+  }
+  return status == cudaStreamCaptureStatusActive ? static_cast<uint64_t>(id) : 0;
 }
 
 void CudaExecutor::run(const Program& program, const Bindings& bindings) {

@@ -46,6 +46,13 @@ using detail::flag_kind_name;
 // passes for every epoch a window can reach.
 inline constexpr uint64_t kReleaseEpoch = uint64_t{1} << 62;
 
+// The epoch word of a captured run's signals (CUDA graphs: a replay cannot count epochs on the
+// host). Its waits pass on equality and then clear the flag (epoch word 0), so each replay waits
+// for the next signal: the peer signals the same flag again only after a handshake this rank
+// sends after the clear. Never met by a run-by-run wait: (int64_t)(0xC0.. - e) < 0 for every epoch
+// a window reaches, and no run-by-run epoch, 0 or kReleaseEpoch equals it.
+inline constexpr uint64_t kCapturedEpoch = uint64_t{3} << 62;
+
 inline cuda_kernels::ElementType element_type(DType dtype) {
   return static_cast<cuda_kernels::ElementType>(static_cast<int>(dtype));
 }
@@ -108,6 +115,9 @@ struct PendingWait {
   std::vector<AwaitedFlag> flags;  // kFlag, in the batch's order (the stream stops at the first unmet)
   uint64_t epoch = 0;
   uint64_t tag = 0;
+  // Captured in a CUDA graph: its marks are replayed (WaitMarks::slot_of), its flags carry
+  // kCapturedEpoch, and a timeout ends the process (watchdog.cpp).
+  bool captured = false;
   int peer = -1;                   // kNccl / kMailbox
   Phase phase = Phase::kPush;      // kNccl / kMailbox
   std::string what;  // kNccl: the group's peers; kMailbox: the transfer, for messages
@@ -197,6 +207,16 @@ struct CudaExecutor::Impl {
   std::mutex mutex;
   std::condition_variable wake;
   std::deque<PendingWait> pending;
+  // The flag waits of every collective captured in a CUDA graph on this executor, kept for good
+  // (a graph may be replayed at any time, without a call into TIDE), and where the watchdog last
+  // saw each captured slot: (reached, passed) and since when.
+  std::vector<PendingWait> captured;
+  struct CapturedSlot {
+    int slot;
+    uint64_t reached, passed;
+    cuda_executor_detail::Clock::time_point since;
+  };
+  std::vector<CapturedSlot> captured_slots;
   std::vector<cudaEvent_t> free_events;
   std::optional<cuda_executor_detail::WaitMarks> marks;  // made once the device is checked
   bool stop = false;
@@ -216,10 +236,11 @@ struct CudaExecutor::Impl {
   // mark(w, false) before its waits and mark(w, true) after them, in the same
   // cuStreamBatchMemOp where the waits are stream operations, then watch() it.
   PendingWait new_wait(PendingWait::Kind kind, cudaStream_t on, uint64_t epoch, uint64_t tag,
-                       int peer, Phase phase);
+                       int peer, Phase phase, bool captured = false);
   CUstreamBatchMemOpParams mark(const PendingWait& w, bool passed) const;
   void enqueue_mark(cudaStream_t on, const PendingWait& w, bool passed);  // in a call of its own
   void watch(PendingWait&& record);  // hands a wait whose marks are enqueued to the watchdog
+                                     // (a captured one: kept in `captured` for good)
   void retire(const PendingWait& w);  // (caller holds `mutex`)
   void throw_if_failed();
   void wait_stream(cudaStream_t s);
@@ -228,14 +249,15 @@ struct CudaExecutor::Impl {
   template <class Launch>
   void launch_timed(KernelKind kind, cudaStream_t on, Launch&& launch) {
     cudaEvent_t start = nullptr, end = nullptr;
-    if (stats_enabled) {
+    const bool timed = stats_enabled && !capturing;  // a captured kernel runs at each replay, untimed
+    if (timed) {
       TIDE_CUDA_CHECK(cudaEventCreate(&start));
       TIDE_CUDA_CHECK(cudaEventCreate(&end));
       TIDE_CUDA_CHECK(cudaEventRecord(start, on));
     }
     const cuda_kernels::LaunchInfo info = launch();
     stats.kernel_launches += info.launches;
-    if (stats_enabled) {
+    if (timed) {
       TIDE_CUDA_CHECK(cudaEventRecord(end, on));
       timings.push_back({start, end, info.max_ctas, kind});
     }
@@ -247,6 +269,11 @@ struct CudaExecutor::Impl {
   // Enqueueing only reads the lowering: what a reused run issues is what the first one did.
   void run(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& lowered,
            bool reuse);
+  // Whether the stream is being captured into a CUDA graph (refused where that cannot be
+  // recorded: the legacy stream, an invalidated capture, a program CudaExecutor::capturable
+  // refuses), before anything moves.
+  bool check_capture(const Program& program);
+  bool capturing = false;  // the run being enqueued is captured (kCapturedEpoch, no copy batches)
   void lower(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& out);
   void enqueue_program(const Program& program, const Bindings& bindings,
                        const PreparedProgram::Lowered& lowered, uint64_t epoch, uint64_t tag);
@@ -294,6 +321,9 @@ struct CudaExecutor::Impl {
   // The first of a stuck flag batch's waits that its flag does not meet, as an error; null if
   // every flag now meets its wait (the batch is about to pass).
   std::exception_ptr diagnose_flag_wait(const PendingWait& w);
+  // The captured slots' marks: a replayed wait reached but not passed past the timeout ends the
+  // process with its diagnosis (no call into TIDE runs during a replay to raise it in).
+  void watch_captured();
   void release_flag_wait(const PendingWait& w);
 };
 

@@ -157,6 +157,10 @@ struct CastToPeersSpec {
   int num_waits = 0;
   uint64_t epoch = 0;
   uint64_t tag = 0;
+  // A captured run (CUDA graph): its flags carry a fixed value that every replay writes, and a
+  // wait passes when the flag's epoch word equals `epoch` (GEQ otherwise); the executor clears the
+  // awaited flags after the kernel, so the next replay waits for the next signal.
+  bool equal = false;
   unsigned int* arrivals = nullptr;  // the window's CTA counter: 0 between launches
   uint64_t* reached = nullptr;       // the watchdog's marks (device addresses of host memory)
   uint64_t* passed = nullptr;

@@ -50,23 +50,28 @@ namespace tide {
 
 using namespace cuda_executor_detail;
 
-// A collective enqueued on a capturing stream would be recorded with this run's epoch and flag
-// values, which are host values: every replay would write and wait for the same ones, and peers
-// would pass a replay's waits on the previous replay's flags. Refused before anything moves.
-static void refuse_capture(cudaStream_t stream) {
+// A run on a stream being captured into a CUDA graph is recorded with host values that every
+// replay repeats, so its flags carry kCapturedEpoch instead of the window's epoch (met on
+// equality, cleared by the wait) and nothing in it reads the host. What cannot be recorded so is
+// refused before anything moves.
+bool CudaExecutor::Impl::check_capture(const Program& program) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const cudaError_t error = cudaStreamIsCapturing(stream, &status);
-  if (error == cudaSuccess && status == cudaStreamCaptureStatusNone) return;
+  if (error == cudaSuccess && status == cudaStreamCaptureStatusNone) return false;
   (void)cudaGetLastError();  // the legacy stream answers an error while another stream captures
-  TIDE_CHECK_ARG(false, "CudaExecutor::run", "stream",
-                 error == cudaSuccess ? "capturing a CUDA graph" : "the legacy stream during a capture",
-                 "a stream that is not capturing: TIDE's collectives cannot be captured in a CUDA graph "
-                 "(their epochs and flag values are host values a replay would repeat)");
+  TIDE_CHECK_ARG(error == cudaSuccess, "CudaExecutor::run", "stream",
+                 "the legacy stream during a capture", "a stream of its own");
+  TIDE_CHECK_ARG(status == cudaStreamCaptureStatusActive, "CudaExecutor::run", "stream",
+                 "a capture that was invalidated by an earlier error", "an active capture");
+  const std::string refusal = CudaExecutor::capture_refusal(program);
+  TIDE_CHECK_ARG(refusal.empty(), "CudaExecutor::run", "program (stream capturing a CUDA graph)",
+                 refusal, "a single-node program");
+  return true;
 }
 
 void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
                              PreparedProgram::Lowered& lowered, bool reuse) {
-  refuse_capture(stream);
+  const bool captured = check_capture(program);
   if (!reuse) {
     lowered.valid = false;
     validate_run(program, bindings, window.rank(), window.world(), window.data_bytes(),
@@ -84,8 +89,11 @@ void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
       lowered.valid = true;
       ++stats.lowerings;
     }
-    enqueue_program(program, bindings, lowered, epoch, program.tag());
+    capturing = captured;
+    enqueue_program(program, bindings, lowered, captured ? kCapturedEpoch : epoch, program.tag());
+    capturing = false;
   } catch (...) {
+    capturing = false;
     lowered.valid = false;
     store_error(std::current_exception());
     throw;
@@ -241,7 +249,7 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
   std::vector<const void*> sources;  // filled before the specs point into it
   std::vector<std::size_t> reduce_steps;
   cuda_kernels::CastToPeersSpec spec;
-  spec.epoch = epoch, spec.tag = tag;
+  spec.epoch = epoch, spec.tag = tag, spec.equal = capturing;
   spec.arrivals = window.arrivals();
   spec.ranks_on_gpu = window.ranks_on_gpu();
   std::optional<PendingWait> record;
@@ -264,7 +272,8 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
       FlagWord* flag = window.flags(signal->peer) + flag_index(signal->kind, rank, world);
       spec.signals[spec.num_signals++] = &flag->epoch;
     } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
-      if (!record) record = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, step.phase);
+      if (!record)
+        record = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, step.phase, capturing);
       FlagWord* flag = window.flags(rank) + flag_index(wait->kind, wait->peer, world);
       spec.waits[spec.num_waits++] = &flag->epoch;
       record->flags.push_back({flag, wait->kind, wait->peer, step.phase});
@@ -292,6 +301,14 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
   }
   launch_timed(KernelKind::kCastToPeers, stream, [&] { return cuda_kernels::launch_cast_to_peers(spec, stream); });
   ++stats.cast_to_peers_kernels;
+  if (record && capturing) {  // every CTA has passed the waits once the kernel ends: clear them
+    std::array<CUstreamBatchMemOpParams, cuda_kernels::kCastToPeersPeers> clears;
+    for (std::size_t k = 0; k < record->flags.size(); ++k)
+      clears[k] = write_value(reinterpret_cast<CUdeviceptr>(&record->flags[k].flag->epoch), 0);
+    TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(record->flags.size()),
+                                          clears.data(), 0));
+    ++stats.mem_op_calls;
+  }
   if (record) watch(std::move(*record));
 }
 
@@ -373,7 +390,8 @@ void CudaExecutor::Impl::enqueue_engine_copies(const std::vector<lowering::Copy>
   }
   stats.copies += static_cast<int>(count);
 #if CUDART_VERSION >= 12080
-  if (batch_copies && stream != nullptr && stream != cudaStreamLegacy) {
+  // cudaMemcpyBatchAsync has no graph node: a captured run copies one cudaMemcpyAsync each.
+  if (batch_copies && !capturing && stream != nullptr && stream != cudaStreamLegacy) {
     cudaMemcpyAttributes attributes{};
     attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // keep SMs free: copy engines
@@ -436,16 +454,18 @@ void CudaExecutor::Impl::enqueue_flag_ops(const std::vector<Step>& steps, std::s
       ops[count++] = write_value(address(&flag->epoch), epoch);
     } else if (const auto* wait = std::get_if<WaitOp>(&steps[i].op)) {
       if (!record) {
-        record = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, steps[i].phase);
+        record = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, steps[i].phase, capturing);
         ops[count++] = mark(*record, /*passed=*/false);
       }
       FlagWord* flag = window.flags(rank) + flag_index(wait->kind, wait->peer, world);
-      ops[count++] = wait_geq(&flag->epoch, epoch);
+      ops[count++] = capturing ? wait_eq(&flag->epoch, epoch) : wait_geq(&flag->epoch, epoch);
       ops[count++] = wait_eq(&flag->tag, tag);
       record->flags.push_back({flag, wait->kind, wait->peer, steps[i].phase});
     }
   }
   if (record) ops[count++] = mark(*record, /*passed=*/true);
+  if (record && capturing)  // met: cleared, so the next replay waits for the next signal
+    for (const AwaitedFlag& f : record->flags) ops[count++] = write_value(address(&f.flag->epoch), 0);
   TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(count), ops.data(), 0));
   ++stats.mem_op_calls;
   if (record) watch(std::move(*record));

@@ -66,17 +66,18 @@ WaitMarks::~WaitMarks() {
   pool().spare.push_back(host_);
 }
 
-int WaitMarks::slot_of(cudaStream_t s) {
+int WaitMarks::slot_of(cudaStream_t s, bool captured) {
   int free = -1;
   for (int i = 0; i < kSlots; ++i) {
-    if (used_[i] && streams_[i] == s) return i;
+    if (used_[i] && streams_[i] == s && captured_[i] == captured) return i;
     if (free < 0 && (!used_[i] || pending_[i] == 0)) free = i;
   }
   if (free < 0)
     throw SystemError(detail::concat("CudaExecutor: waits are pending on ", kSlots,
                                      " streams at once, the most the watchdog watches; "
                                      "synchronize() before running on another stream"));
-  streams_[free] = s, used_[free] = true;
+  streams_[free] = s, used_[free] = true, captured_[free] = captured;
+  if (captured) ++pending_[free];  // held for good: a replay may write it at any time
   return free;
 }
 

@@ -5,7 +5,8 @@
 //   passed  = id of the last one it got past (the watchdog retires it).
 // Wait ids come from one process-wide counter, so they only grow: a slot handed to another stream
 // (once its waits are all retired), or a block another executor used (once its streams drained;
-// else it is abandoned), holds only smaller ids than any wait watched later.
+// else it is abandoned), holds only smaller ids than any wait watched later. Waits captured in a
+// CUDA graph have slots of their own (slot_of).
 // Before (events recorded around each wait, two cudaEventQuery per wait on the watchdog thread),
 // a W = 2 collective made 3 more driver calls on the rank's thread and took an event from a pool
 // that only the watchdog refilled (BENCHMARKS.md, "Fixed cost").
@@ -41,7 +42,11 @@ class WaitMarks {
   // The slot of stream `s`: the one it has, else one whose waits are all retired. Throws
   // SystemError when all kSlots streams have waits pending. The calls below that take a slot
   // count its pending waits: all under the executor's mutex.
-  int slot_of(cudaStream_t s);
+  // `captured`: the slot of the waits captured in CUDA graphs on `s`, apart from its run-by-run
+  // waits. A replay writes the ids fixed at capture again and again, so these marks do not grow:
+  // the slot is held for good (a graph may be replayed at any time) and the watchdog reads it as
+  // "reached != passed" (watchdog.cpp).
+  int slot_of(cudaStream_t s, bool captured = false);
   void hold(int slot) { ++pending_[slot]; }
   void release(int slot) { --pending_[slot]; }
 
@@ -59,6 +64,7 @@ class WaitMarks {
   std::vector<cudaStream_t> streams_ = std::vector<cudaStream_t>(kSlots, nullptr);
   std::vector<int> pending_ = std::vector<int>(kSlots, 0);
   std::vector<bool> used_ = std::vector<bool>(kSlots, false);
+  std::vector<bool> captured_ = std::vector<bool>(kSlots, false);
 };
 
 }  // namespace tide::cuda_executor_detail

@@ -9,6 +9,11 @@
 // only a sleeping watchdog, so back-to-back runs do not pay a futex wake each).
 // Network waits are diagnosed and released by their transport (nccl_transport.cpp: abort the
 // communicator; ipc_transport.cpp: write the awaited mailbox words).
+// Waits captured in CUDA graphs are watched apart (watch_captured): replays write their marks
+// again and again, and a stuck one ends the process with its diagnosis.
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include "cuda_executor_impl.hpp"
@@ -21,6 +26,8 @@ using namespace cuda_executor_detail;
 namespace {
 // Idle polls (1 ms each) before the watchdog sleeps until watch() wakes it.
 constexpr int kWatchdogIdlePolls = 100;
+// With collectives captured in CUDA graphs the watchdog never sleeps: replays call nothing.
+constexpr int kCapturedPollMs = 5;
 }  // namespace
 
 void CudaExecutor::Impl::store_error(std::exception_ptr e) {
@@ -43,29 +50,81 @@ void CudaExecutor::Impl::write_flags(FlagWord* flags, std::size_t count, uint64_
   TIDE_CUDA_CHECK(cudaStreamSynchronize(side_stream));
 }
 
+namespace {
+
+// "epoch 12" for a run-by-run collective, "a replay" for one captured in a CUDA graph.
+std::string when(uint64_t epoch) {
+  return epoch == kCapturedEpoch ? std::string("a replay of a CUDA graph")
+                                 : detail::concat("epoch ", epoch);
+}
+
+}  // namespace
+
 std::exception_ptr CudaExecutor::Impl::diagnose_flag_wait(const PendingWait& w) {
   const int rank = window.rank();
   for (const AwaitedFlag& f : w.flags) {
     const FlagWord seen = read_flag(f.flag);
-    const bool epoch_arrived = static_cast<int64_t>(seen.epoch - w.epoch) >= 0;
+    const bool epoch_arrived = w.captured ? seen.epoch == w.epoch
+                                          : static_cast<int64_t>(seen.epoch - w.epoch) >= 0;
     if (epoch_arrived && seen.tag == w.tag) continue;  // this one passes: the stream is further on
     if (epoch_arrived) {
       return std::make_exception_ptr(DesyncError(detail::concat(
-          "rank ", rank, " runs ", describe_tag(w.tag), " at epoch ", w.epoch, " (phase ",
+          "rank ", rank, " runs ", describe_tag(w.tag), " at ", when(w.epoch), " (phase ",
           phase_name(f.phase), ") but rank ", f.peer, " signalled ", describe_tag(seen.tag),
-          " at epoch ", seen.epoch, ": the ranks called collectives in different orders")));
+          " at ", when(seen.epoch), ": the ranks called collectives in different orders")));
     }
     return std::make_exception_ptr(TimeoutError(detail::concat(
         "rank ", rank, ": timed out after ", timeout.count(), " ms waiting for ",
         flag_kind_name(f.kind), " from rank ", f.peer, " (", describe_tag(w.tag), ", phase ",
-        phase_name(f.phase), ", epoch ", w.epoch, ") on the GPU; last signal from rank ", f.peer,
+        phase_name(f.phase), ", ", when(w.epoch), ") on the GPU; last signal from rank ", f.peer,
         ": ",
-        seen.epoch == 0 ? std::string("none")
-                        : detail::concat("epoch ", seen.epoch, ", ", describe_tag(seen.tag)),
+        seen.epoch == 0 ? std::string("none pending")
+                        : detail::concat(when(seen.epoch), ", ", describe_tag(seen.tag)),
         ". The peer is dead, stuck, or running other collectives (raise TIDE_TIMEOUT_MS if it is "
         "only slow)")));
   }
   return nullptr;
+}
+
+// A replayed wait is stuck when its slot shows the same reached != passed for the whole timeout
+// (ids repeat at each replay, so they are compared for change, not for growth; polled every
+// kCapturedPollMs, a replay that passes the same wait between two polls each time would have to
+// spend nearly all its time in it for the timeout to be taken for a stuck one). The diagnosis
+// reads the flags; a stuck wait ends the process: nothing of TIDE's runs on the host during a
+// replay to throw in, and a released wait would hand the model stale bytes.
+void CudaExecutor::Impl::watch_captured() {
+  const Clock::time_point now = Clock::now();
+  std::optional<PendingWait> stuck;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (CapturedSlot& c : captured_slots) {
+      const uint64_t reached = marks->reached(c.slot), passed = marks->passed(c.slot);
+      if (reached == passed || reached != c.reached || passed != c.passed) {
+        c.reached = reached, c.passed = passed, c.since = now;
+        continue;
+      }
+      if (now - c.since < timeout) continue;
+      for (const PendingWait& w : captured)
+        if (w.id == reached && w.slot == c.slot) stuck = w;
+      if (stuck) {
+        c.since = now;  // diagnosed now; looked at again after another timeout
+        break;
+      }
+    }
+  }
+  if (!stuck) return;
+  const std::exception_ptr error = diagnose_flag_wait(*stuck);
+  if (!error) return;  // the flags meet now: the wait is about to pass
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr,
+                 "tide: %s. This wait was replayed from a CUDA graph, where no call into TIDE "
+                 "runs to raise it: the process ends here.\n",
+                 e.what());
+    std::fflush(stderr);
+  }
+  std::abort();
 }
 
 void CudaExecutor::Impl::release_flag_wait(const PendingWait& w) {
@@ -88,11 +147,18 @@ void CudaExecutor::Impl::watchdog_loop() {
         pending.clear();
         return;
       }
+      if (!captured_slots.empty()) {
+        lock.unlock();
+        watch_captured();
+        lock.lock();
+      }
       if (pending.empty()) {
         // Idle: poll every 1 ms for a while before sleeping until watch() notifies. Runs come
         // far more often than that in training, so watch() rarely pays for waking this thread
         // (a futex wake and the lock handed over: microseconds of host time per run).
-        if (idle_polls < kWatchdogIdlePolls) {
+        if (!captured_slots.empty()) {
+          wake.wait_for(lock, std::chrono::milliseconds(kCapturedPollMs));
+        } else if (idle_polls < kWatchdogIdlePolls) {
           ++idle_polls;
           wake.wait_for(lock, std::chrono::milliseconds(1));
         } else {
