@@ -8,7 +8,7 @@
 #   python   pytest: the extension checks, the CUDA scenarios of tests/python/test_fsdp.py and
 #            test_fsdp_lifetime.py (ranks as processes sharing the GPU), test_fsdp_cuda_graphs.py (captured
 #            steps vs run-by-run ones), test_fsdp_cuda.py (skips without 2 GPUs), the CLI tests
-#   bench    tide-bench fsdp with its defaults (on one GPU: 2 ranks sharing it)
+#   bench    tide-bench fsdp with its defaults, then with --cuda-graphs (on one GPU: 2 ranks sharing it)
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
 #
 #   scripts/gpu_gate.sh [stage ...]     (default: every stage, in that order)
@@ -111,33 +111,47 @@ stage_python() {
 }
 
 stage_bench() {
-  (cd /tmp && timeout "${BENCH_TIMEOUT:-540}" tide-bench fsdp --no-progress --json "$OUT/gate_fsdp.json") \
-    >"$OUT/gate_bench.log" 2>&1
-  local rc=$?
-  cat "$OUT/gate_bench.log" | tail -20
-  if [[ $rc == 0 ]]; then
+  # tide-bench fsdp with its defaults (stock FSDP2 vs TIDE), then --cuda-graphs (TIDE run by run vs
+  # TIDE inside captured steps); each run's JSON is checked.
+  local rc=0 checks=() mode
+  for mode in stock cuda_graphs; do
+    local flags=() log="$OUT/gate_bench_$mode.log" json="$OUT/gate_fsdp_$mode.json"
+    [[ $mode == cuda_graphs ]] && flags=(--cuda-graphs)
+    (cd /tmp && timeout "${BENCH_TIMEOUT:-270}" tide-bench fsdp --no-progress "${flags[@]}" --json "$json") \
+      >"$log" 2>&1
+    local run=$?
+    tail -20 "$log"
+    if [[ $run != 0 ]]; then checks+=("$mode: exit $run"); rc=1; continue; fi
     local check
-    check=$("$PY" - "$OUT/gate_fsdp.json" <<'EOF'
+    check=$("$PY" - "$json" "$mode" <<'EOF'
 import json, sys
-d = json.load(open(sys.argv[1]))
-t, s = d["tide"], d["stock"]
+d, mode = json.load(open(sys.argv[1])), sys.argv[2]
 bad = []
+if mode == "stock":
+    t, s = d["tide"], d["stock"]
+    if t["layout_copy_mib"] != 0 or not s["layout_copy_mib"] > 0:
+        bad.append(f"layout copies stock {s['layout_copy_mib']} TIDE {t['layout_copy_mib']}")
+    done = f"copies {s['layout_copy_mib']:.0f} -> 0 MiB"
+else:
+    t = d["tide_captured"]
+    if t["replays"] < 5:
+        bad.append(f"{t['replays']} replays")
+    done = (f"{t['replays']} replays, host ms per step {d['tide']['host_ms']:.2f} -> "
+            f"{t['host_ms']:.2f}")
 if not t["tide_buckets"] or t["tide_fallbacks"]:
     bad.append(f"handled {t['tide_buckets']} groups, fallbacks {t['tide_fallbacks']}")
-if t["layout_copy_mib"] != 0 or not s["layout_copy_mib"] > 0:
-    bad.append(f"layout copies stock {s['layout_copy_mib']} TIDE {t['layout_copy_mib']}")
-if d["max_abs_diff"] != 0.0 and d["world"] == 2:
-    bad.append(f"W = 2 not bitwise: max diff {d['max_abs_diff']}")
-print("; ".join(bad) or f"W = {d['world']}, {d['model']}, {t['tide_buckets']} groups, copies "
-      f"{s['layout_copy_mib']:.0f} -> 0 MiB, max diff {d['max_abs_diff']:.1e}")
+if d["max_abs_diff"] != 0.0 and (d["world"] == 2 or mode == "cuda_graphs"):
+    bad.append(f"not bitwise: max diff {d['max_abs_diff']}")
+print(f"{mode}: " + ("; ".join(bad) or f"W = {d['world']}, {d['model']}, {t['tide_buckets']} groups, "
+                     f"{done}, max diff {d['max_abs_diff']:.1e}"))
 sys.exit(1 if bad else 0)
 EOF
 )
-    rc=$?
-    [[ $rc == 0 ]] && record bench "PASS ($check)" || record bench "FAIL ($check)"
-  else
-    record bench "FAIL (exit $rc)"
-  fi
+    [[ $? == 0 ]] || rc=1
+    checks+=("$check")
+  done
+  local summary; summary=$(IFS=';'; echo "${checks[*]}" | sed 's/;/; /g')
+  [[ $rc == 0 ]] && record bench "PASS ($summary)" || record bench "FAIL ($summary)"
 }
 
 stage_sanitize() {

@@ -23,6 +23,7 @@ from tide.bench.model import PRESETS, MoE
     (["fsdp", "--model", "tiny", "--expert-shard-dim", "1"], "model tiny has no expert tensors"),
     (["fsdp", "--model", "qwen3-moe-tiny", "--expert-shard-dim", "1", "--world", "3"],
      "dim 64 is not divisible by --world 3"),
+    (["fsdp", "--device", "cpu", "--cuda-graphs"], "--cuda-graphs: device cpu: expected cuda"),
     (["collectives", "--min-bytes", "100", "--max-bytes", "10"], "--min-bytes 100 > --max-bytes 10"),
     (["interference", "--device", "cpu"], "interference needs a CUDA GPU"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fsdp_harness as h
 import tide
 import tide.fsdp
+from tide.bench.captured_step import CapturedStep
 from tide.bench.model import PRESETS
 
 pytestmark = pytest.mark.skipif(not (tide.cuda_built and torch.cuda.is_available()),
@@ -63,43 +64,14 @@ def _build(c: dict, device):
     return cfg, model
 
 
-class _Captured:
-    """fwd_bwd captured at its second call and replayed from then on, stepped as torchtitan's
-    CUDAGraphWrapper steps it (mode "titan": its own class where torchtitan imports), or with a
-    plain torch.cuda.graph (mode "plain": its default, global capture mode)."""
-
-    def __init__(self, fwd_bwd, mode: str):
-        self.fwd_bwd, self.mode, self.calls = fwd_bwd, mode, 0
-        self.graph = self.static = self.output = None
-        self.side = torch.cuda.Stream()
-
-    def __call__(self, *batch):
-        self.calls += 1
-        if self.calls == 1:  # the warm-up, on a side stream
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
-                out = self.fwd_bwd(*batch)
-            torch.cuda.current_stream().wait_stream(self.side)
-            return out
-        if self.graph is None:
-            self.static = batch
-            self.graph = torch.cuda.CUDAGraph()
-            kwargs = ({"pool": torch.cuda.graph_pool_handle(), "stream": self.side,
-                       "capture_error_mode": "thread_local"} if self.mode == "titan" else {})
-            with torch.cuda.graph(self.graph, **kwargs):
-                self.output = self.fwd_bwd(*self.static)
-        for mine, new in zip(self.static, batch):
-            mine.copy_(new)
-        self.graph.replay()
-        return self.output
-
-
 def _wrapper(fwd_bwd, mode: str):
+    """Mode "titan": torchtitan's own CUDAGraphWrapper where torchtitan imports (else CapturedStep,
+    which steps as it does); "plain": a torch.cuda.graph in its default, global capture mode."""
     if mode == "titan":
         try:
             from torchtitan.distributed.cudagraph import CUDAGraphWrapper
         except ImportError:
-            return _Captured(fwd_bwd, mode)
+            return CapturedStep(fwd_bwd)
         example = None
 
         def call(*batch):
@@ -109,7 +81,7 @@ def _wrapper(fwd_bwd, mode: str):
             return example(*batch)
         call.torchtitan = True
         return call
-    return _Captured(fwd_bwd, mode)
+    return CapturedStep(fwd_bwd, "global")
 
 
 def train(rank: int, world: int, device, name: str, mode: str) -> dict:
@@ -238,7 +210,7 @@ def _stuck_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         loss.backward()
         return loss.detach()
 
-    step = _Captured(fwd_bwd, "titan")
+    step = CapturedStep(fwd_bwd)
     for _ in range(3):  # warm-up, capture + replay, replay
         step(*cfg.batch(2, 16, gen, device))
         torch.cuda.synchronize()

@@ -81,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--wire-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="with --ranks-per-node: the dtype of reduce-scatter partial sums between "
                         "nodes (bf16 is lossy: each partial is rounded before it is sent)")
+    f.add_argument("--cuda-graphs", action="store_true",
+                   help="compare TIDE run by run with TIDE inside captured steps (forward + backward "
+                        "in a CUDA graph, replayed, as torchtitan steps on GPUs) instead of stock FSDP2 "
+                        "with TIDE")
     f.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (step-time breakdown, memory) here")
     f.add_argument("--no-progress", action="store_true")
 
@@ -137,6 +141,13 @@ def _fsdp(args, parser, device) -> int:
     except ValueError as e:
         parser.error(f"--model {model_name}: {e}")
     _check_expert_sharding(args, parser, model_name, cfg)
+    if args.cuda_graphs:
+        if device != "cuda":
+            parser.error(f"--cuda-graphs: device {device}: expected cuda (CUDA graphs need a GPU)")
+        if args.plot_dir:
+            parser.error("--cuda-graphs with --plot-dir: the plots compare stock FSDP2 with TIDE")
+        if hasattr(cfg, "capturable"):  # routing without a host read of the expert counts
+            cfg = dataclasses.replace(cfg, capturable=True)
     if args.float8:
         _check_float8(args, parser, model_name, cfg)
     if not under_torchrun():
@@ -147,17 +158,21 @@ def _fsdp(args, parser, device) -> int:
             "ranks_per_node": args.ranks_per_node, "chunk_bytes": args.chunk_mib * MIB,
             "wire_dtype": args.wire_dtype,
             "transport": args.transport, "expert_shard_dim": args.expert_shard_dim,
-            "seq": args.seq, "progress": not args.no_progress, "float8": args.float8}
+            "seq": args.seq, "progress": not args.no_progress, "float8": args.float8,
+            "cuda_graphs": args.cuda_graphs}
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
           f"mp {mp}, {args.world} ranks", file=sys.stderr)
-    stock = _launch(args, device, run_mode, "stock", cfg, opts)
-    tide_runs = _launch(args, device, run_mode, "tide", cfg, opts)
-    if stock is None:  # a torchrun rank other than 0
+    modes = ("tide", "tide-captured") if args.cuda_graphs else ("stock", "tide")
+    runs = {mode: _launch(args, device, run_mode, mode, cfg, opts) for mode in modes}
+    if runs[modes[0]] is None:  # a torchrun rank other than 0
         return 0
 
     def merged(runs):
-        keys = ("step_ms", "collectives_ms", "peak_memory_mib")
-        out = {k: max(r[k] for r in runs) for k in keys}  # the slowest / largest rank
+        out = {}
+        for k in ("step_ms", "host_ms", "collectives_ms", "peak_memory_mib"):
+            values = [r[k] for r in runs]  # the slowest / largest rank
+            out[k] = max(values) if None not in values else None
+        out["replays"] = runs[0]["replays"]
         out["layout_copy_mib"] = runs[0]["layout_copy_bytes"] / MIB
         out["shard_dim_copy_mib"] = runs[0]["shard_dim_copy_bytes"] / MIB
         for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_fallback_groups",
@@ -174,14 +189,15 @@ def _fsdp(args, parser, device) -> int:
         return out
 
     summary = {"model": model_name, "family": cfg.family, "config": cfg.as_dict(), "params": cfg.params(),
-               "expert_shard_dim": args.expert_shard_dim, "world": len(stock), "device": device,
+               "expert_shard_dim": args.expert_shard_dim, "world": len(runs[modes[0]]), "device": device,
                "mp": mp, "float8": args.float8, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
                "ranks_per_node": args.ranks_per_node, "transport": args.transport,
                "chunk_mib": args.chunk_mib, "wire_dtype": args.wire_dtype,
-               "stock": merged(stock), "tide": merged(tide_runs),
-               "max_abs_diff": compare(stock, tide_runs), "torch": torch.__version__}
-    print(report.fsdp_table(summary))
-    if args.float8:
+               "max_abs_diff": compare(*runs.values()), "torch": torch.__version__}
+    for mode in modes:  # "stock", "tide", "tide_captured"
+        summary[mode.replace("-", "_")] = merged(runs[mode])
+    print(report.fsdp_graphs_table(summary) if args.cuda_graphs else report.fsdp_table(summary))
+    if args.float8 and not args.cuda_graphs:
         t = summary["tide"]
         print(f"float8 (torchao, fp8 all-gather on under TIDE, off under stock): TIDE handled "
               f"{t['tide_buckets']}/{t['param_groups']} groups, {t['tide_extension_groups']} with float8 "

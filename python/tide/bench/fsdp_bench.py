@@ -217,8 +217,15 @@ def _progress(label: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
+MODES = ("stock", "tide", "tide-captured")
+
+
 def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
-    """One rank's run of one mode ("stock" or "tide") of `cfg` (a model config from model.py)."""
+    """One rank's run of one mode of `cfg` (a model config from model.py): "stock" FSDP2, "tide"
+    run by run, or "tide-captured" (forward + backward captured in a CUDA graph and replayed, as
+    torchtitan steps it; the optimizer outside)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     device = opts["device"]
     shared_gpus = device == "cuda" and dist.get_backend() == "gloo"  # see launch.backend_for
     with contextlib.ExitStack() as stack:
@@ -233,10 +240,11 @@ def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
 
 def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> dict:
     # --float8: stock trains with fp8 all-gather off (the reference: gloo has no fp8), TIDE with it on.
-    fp8_all_gather = (mode == "tide") if opts.get("float8") else None
+    fp8_all_gather = (mode != "stock") if opts.get("float8") else None
+    captured = mode == "tide-captured"
     model = _build(cfg, device, opts["mp"], world, opts.get("expert_shard_dim", 0), fp8_all_gather)
     handle = None
-    if mode == "tide":
+    if mode != "stock":
         import tide.fsdp
         kwargs = {}
         if opts.get("ranks_per_node"):
@@ -251,18 +259,29 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
     total = opts["warmup"] + opts["steps"]
-    step_s, coll_s = [], []
+    step_s, host_s, coll_s = [], [], []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    def one_step():
-        loss = cfg.loss(model, cfg.batch(opts["batch"], opts["seq"], gen, device))
+    def forward_backward(*batch):
+        loss = cfg.loss(model, batch)
         loss.backward()
+        return loss.detach()
+
+    if captured:
+        from .captured_step import CapturedStep
+    fwd_bwd = CapturedStep(forward_backward) if captured else forward_backward
+
+    def one_step():
+        loss = fwd_bwd(*cfg.batch(opts["batch"], opts["seq"], gen, device))
         opt.step()
-        opt.zero_grad()
+        # Captured steps keep their gradients' storage (torchtitan's zero_grad with graphs): the
+        # run-by-run steps they are compared with do the same.
+        opt.zero_grad(set_to_none=not opts.get("cuda_graphs"))
         return loss
 
     # One counted step (the dispatch mode sees every op, which slows the step: it is not timed).
+    # Captured: this is the warm-up, run by run on the capture's side stream.
     counter = LayoutCopyCounter()
     if handle is not None:
         handle.reset_counts()
@@ -271,17 +290,20 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
     step_counts = handle.counts() if handle is not None else None
     sm_cta_us = None  # TIDE's kernels' SM time in one step (CUDA); NCCL's cannot be timed from here
     lowered = None  # (collectives lowered again, collectives) in that step
-    if device == "cuda":  # both modes take this step: their parameters must see the same updates
-        if handle is not None:
+    if device == "cuda":  # every mode takes this step: their parameters must see the same updates
+        if handle is not None and not captured:  # (captured: the capture, which times no kernel)
             handle.enable_sm_stats(True)
             runs_before = _collective_runs(handle.counts())
         one_step()
-        if handle is not None:
+        if handle is not None and not captured:
             sm_cta_us = handle.sm_cta_us()
             lowered = (handle.lowerings(), _collective_runs(handle.counts()) - runs_before)
             handle.enable_sm_stats(False)
     for step in range(total):
-        with CollectiveTimer(device) as timer:
+        # (a replay calls no Python: there is no collective to time, but the step is taken so
+        # that every mode's parameters see the same updates)
+        timer = contextlib.nullcontext() if captured else CollectiveTimer(device)
+        with timer:
             t0 = time.perf_counter()
             one_step()
             seconds = time.perf_counter() - t0
@@ -289,11 +311,15 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             one_step()
+            host = time.perf_counter() - t0  # until the step returns: what the host spent issuing it
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
         if step >= opts["warmup"]:
-            coll_s.append(timer.seconds)
+            if not captured:
+                coll_s.append(timer.seconds)
             step_s.append(seconds)
+            if device == "cuda":
+                host_s.append(host)
         if rank == 0 and opts["progress"]:
             _progress(mode, step + 1, total)
     dist.barrier()
@@ -301,7 +327,9 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
     result = {
         "mode": mode,
         "step_ms": statistics.median(step_s) * 1e3,
-        "collectives_ms": statistics.median(coll_s) * 1e3,
+        "host_ms": statistics.median(host_s) * 1e3 if host_s else None,
+        "collectives_ms": statistics.median(coll_s) * 1e3 if coll_s else None,
+        "replays": fwd_bwd.replays if captured else 0,
         "layout_copy_bytes": counter.bytes,
         "shard_dim_copy_bytes": counter.shard_dim_bytes,
         "sm_cta_us": sm_cta_us,
@@ -336,10 +364,10 @@ def _group_count(model) -> int:
     return len(_fsdp2.param_groups(model))
 
 
-def compare(stock: list, tide_runs: list) -> float:
-    """Max |TIDE - stock| over every rank's final parameter shards."""
+def compare(first: list, second: list) -> float:
+    """Max |second - first| over every rank's final parameter shards (two modes' runs)."""
     worst = 0.0
-    for s, t in zip(stock, tide_runs):
+    for s, t in zip(first, second):
         for a, b in zip(s["params"], t["params"]):
             if a.numel():
                 worst = max(worst, (a - b).abs().max().item())

@@ -65,6 +65,33 @@ def fsdp_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def fsdp_graphs_table(summary: dict) -> str:
+    """tide-bench fsdp --cuda-graphs: TIDE run by run against TIDE inside captured steps."""
+    e, c = summary["tide"], summary["tide_captured"]
+    emulated = (" — SINGLE-GPU EMULATION (ranks share the GPU: HBM-bound, not NVLink-bound)"
+                if c.get("ranks_share_gpus") else "")
+    lines = [f"# tide-bench fsdp --cuda-graphs: {summary['model']}, W = {summary['world']}, "
+             f"{summary['device']}, mp {summary['mp']}, median of {summary['steps']} steps after "
+             f"{summary['warmup']} warm-up{emulated}",
+             f"{'':<34} {'TIDE run by run':>16} {'TIDE captured':>14} {'captured/run':>13}"]
+
+    def row(label, a, b, fmt):
+        ratio = f"{b / a:.3f}" if a else "-"
+        lines.append(f"{label:<34} {fmt.format(a):>16} {fmt.format(b):>14} {ratio:>13}")
+
+    row("step time (ms)", e["step_ms"], c["step_ms"], "{:.2f}")
+    row("host time per step (ms)", e["host_ms"], c["host_ms"], "{:.2f}")
+    row("peak memory + TIDE pool (MiB)", e["peak_memory_mib"] + e["tide_window_mib"],
+        c["peak_memory_mib"] + c["tide_window_mib"], "{:.1f}")
+    lines.append("host time: from the step's start until it returns (forward, backward, optimizer "
+                 "issued), not waiting for the GPU; step time waits for it")
+    lines.append(f"TIDE handled {c['tide_buckets']} of {c['param_groups']} param groups; "
+                 f"{c['replays']} replays of one captured forward + backward per rank")
+    lines.append(f"max |captured - run by run| over final parameters = {summary['max_abs_diff']:.3e}"
+                 + (" (bitwise equal)" if summary["max_abs_diff"] == 0 else ""))
+    return "\n".join(lines)
+
+
 def collectives_table(rows: list) -> str:
     out = [f"{'coll':<5} {'W':>3} {'bytes':>12} {'stock ms':>10} {'TIDE ms':>10} {'stock algbw':>12} "
            f"{'TIDE algbw':>11} {'TIDE busbw':>11} {'TIDE/stock':>11} {'check':>6}",
