@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -81,6 +82,33 @@ inline harness::RankProcessOptions gpu_ranks(const harness::TempDir& dir,
 
 // ThreadBootstrap waits of the GPU tests' ranks as threads.
 inline constexpr std::chrono::seconds kThreadRankTimeout{120};
+
+// body(rank, bootstrap) on `world` ranks that are threads of one forked process (one CUDA
+// context; killed after 120 s). Returns that process's report: "ok", or the first thread rank that
+// threw or reported anything but "ok".
+inline std::string run_thread_ranks_in_a_process(int world, const harness::TempDir& dir,
+                                                 const harness::ReportingRankBody& body) {
+  return harness::run_rank_processes(1, [&](int, Bootstrap&) {
+    const auto reports = harness::run_rank_threads(world, [&](int rank, Bootstrap& b) {
+      const std::string report = body(rank, b);
+      if (report != "ok") throw std::runtime_error(report);
+    }, kThreadRankTimeout);
+    for (int r = 0; r < world; ++r)
+      if (reports[r] != "ok") throw std::runtime_error("thread rank " + std::to_string(r) + ": " + reports[r]);
+  }, gpu_ranks(dir, std::chrono::seconds(120))).reports[0];
+}
+
+// ---- Device memory. --------------------------------------------------------------------------
+
+// A test's device allocation (at least 16 bytes), freed with it; movable, so vectors hold them.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 16))); }
+  ~DeviceBuffer() { (void)cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr) { o.ptr = nullptr; }
+};
 
 // ---- Deterministic data (never zeros). -------------------------------------------------------
 

@@ -28,14 +28,6 @@ void select_device(int rank) {
   CHECK_CUDA(cudaSetDevice(ranks_are_threads ? 0 : rank % count));
 }
 
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 16))); }
-  ~DeviceBuffer() { (void)cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr) { o.ptr = nullptr; }
-};
-
 std::string capture_name(const std::string& dir, int rank, int rep, std::size_t j) {
   return dir + "/cap." + std::to_string(rank) + "." + std::to_string(rep) + "." + std::to_string(j);
 }
@@ -175,19 +167,14 @@ void run_and_check(const Scenario& s) {
   check_scenario(s, dir.path());
 }
 
-// The scenario's ranks as threads of one (forked) process, one CUDA context; killed after 120 s.
+// The scenario's ranks as threads of one (forked) process, one CUDA context.
 void run_and_check_as_threads(const Scenario& s) {
   const harness::TempDir dir;
-  const auto reports = harness::run_rank_processes(1, [&](int, Bootstrap&) {
-    const auto thread_reports = harness::run_rank_threads(s.world, [&](int rank, Bootstrap& b) {
-      ranks_are_threads = true;
-      run_scenario_on_gpu(s, rank, b, dir.path());
-    }, kThreadRankTimeout);
-    for (int r = 0; r < s.world; ++r)
-      if (thread_reports[r] != "ok")
-        throw std::runtime_error("thread rank " + std::to_string(r) + ": " + thread_reports[r]);
-  }, gpu_ranks(dir, 120s)).reports;
-  ASSERT_EQ(reports[0], "ok");
+  ASSERT_EQ(run_thread_ranks_in_a_process(s.world, dir, [&](int rank, Bootstrap& b) {
+    ranks_are_threads = true;
+    run_scenario_on_gpu(s, rank, b, dir.path());
+    return std::string("ok");
+  }), "ok");
   check_scenario(s, dir.path());
 }
 
