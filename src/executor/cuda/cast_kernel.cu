@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "cast_task.cuh"
-#include "cuda/cuda_check.hpp"
 #include "kernel_launch.hpp"
 #include "kernels.cuh"
 
@@ -49,19 +48,17 @@ int launch_cast_table(const std::vector<CastTask>& tasks, std::size_t first, std
   // Casts read 4 B and write 2 B per element (less in flight per thread than a reduce's W
   // sources): twice the reduce's default grid, 4 CTAs/SM, measured 96% of the copy ceiling on an
   // H200 where 2 CTAs/SM gave 76%.
-  const int grid = grid_for(tiles, max_ctas, 2);
-  cast_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(table);
-  check_launch("cast_kernel<<<>>>");
-  return grid;
+  void* args[] = {&table};
+  return launch_kernel(reinterpret_cast<const void*>(cast_kernel<Table>), grid_for(tiles, max_ctas, 2),
+                       args, stream, "cast_kernel");
 }
 
 }  // namespace
 
 void preload_cast_kernels() {
-  cudaFuncAttributes attributes;
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<OneCastTable>));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<SmallCastTable>));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_kernel<LargeCastTable>));
+  preload_kernel(reinterpret_cast<const void*>(cast_kernel<OneCastTable>));
+  preload_kernel(reinterpret_cast<const void*>(cast_kernel<SmallCastTable>));
+  preload_kernel(reinterpret_cast<const void*>(cast_kernel<LargeCastTable>));
 }
 
 LaunchInfo launch_casts(const CastSpec* specs, std::size_t num_specs, int max_ctas,

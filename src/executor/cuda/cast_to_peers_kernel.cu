@@ -107,10 +107,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
 
 }  // namespace
 
-void preload_cast_to_peers_kernel() {
-  cudaFuncAttributes attributes;
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, cast_to_peers_kernel));
-}
+void preload_cast_to_peers_kernel() { preload_kernel(reinterpret_cast<const void*>(cast_to_peers_kernel)); }
 
 bool cast_to_peers_fits(std::size_t casts, std::size_t copies, int signals, int waits,
                   std::size_t reduces, int num_sources) {
@@ -178,10 +175,9 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
   // (__launch_bounds__), so no CTA of a cast-to-peers kernel waits for a slot that only a spinning one frees.
   const int64_t cap = std::max(1, sm_count() / std::max(1, spec.ranks_on_gpu));
   const int64_t tiles = std::max({table.cast_tiles, table.copy_tiles, table.reduce_tiles, int64_t{1}});
-  const int grid = static_cast<int>(std::min(tiles, cap));
-  cast_to_peers_kernel<<<grid, kThreadsPerCta, 0, stream>>>(table);
-  check_launch("cast_to_peers_kernel<<<>>>");
-  return {1, grid};
+  void* args[] = {&table};
+  return {1, launch_kernel(reinterpret_cast<const void*>(cast_to_peers_kernel),
+                           static_cast<int>(std::min(tiles, cap)), args, stream, "cast_to_peers_kernel")};
 }
 
 }  // namespace tide::cuda_kernels

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "copy_task.cuh"
-#include "cuda/cuda_check.hpp"
 #include "kernel_launch.hpp"
 #include "kernels.cuh"
 
@@ -46,19 +45,14 @@ std::function<int(cudaStream_t)> copy_table_launch(const std::vector<CopyTask>& 
   }
   // As the casts' grid: stores only, little in flight per thread.
   const int grid = grid_for(table->num_tiles, 0, 2);
-  return [table, grid](cudaStream_t stream) {
-    copy_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(*table);
-    check_launch("copy_kernel<<<>>>");
-    return grid;
-  };
+  return deferred_launch<Table>(copy_kernel<Table>, std::move(table), grid, "copy_kernel");
 }
 
 }  // namespace
 
 void preload_copy_kernels() {
-  cudaFuncAttributes attributes;
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, copy_kernel<SmallCopyTable>));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, copy_kernel<LargeCopyTable>));
+  preload_kernel(reinterpret_cast<const void*>(copy_kernel<SmallCopyTable>));
+  preload_kernel(reinterpret_cast<const void*>(copy_kernel<LargeCopyTable>));
 }
 
 Launches copy_launches(const CopySpec* specs, std::size_t num_specs) {

@@ -1,6 +1,6 @@
 // What kernels.cuh declares for all the kernel families at once: the default grid (CTAs per SM,
-// TIDE_CUDA_CTAS_PER_SM, and the SM count), Launches::run, preload_kernels; and the launch check
-// every family's launcher uses (kernel_launch.hpp).
+// TIDE_CUDA_CTAS_PER_SM, and the SM count), Launches::run, preload_kernels; and the checked launch
+// and preload every family's launcher uses (kernel_launch.hpp).
 #include "kernel_launch.hpp"
 
 #include <algorithm>
@@ -33,9 +33,18 @@ int ctas_per_sm() {
 
 }  // namespace
 
-void check_launch(const char* kernel) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) cuda_detail::throw_cuda_error(kernel, status, __FILE__, __LINE__);
+int launch_kernel(const void* kernel, int grid, void** args, cudaStream_t stream, const char* name) {
+  const cudaError_t status = cudaLaunchKernel(kernel, dim3(grid), dim3(kThreadsPerCta), args, 0, stream);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    cuda_detail::throw_cuda_error(name, status, __FILE__, __LINE__);
+  }
+  return grid;
+}
+
+void preload_kernel(const void* kernel) {
+  cudaFuncAttributes attributes;
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
 }
 
 void preload_kernels() {

@@ -1,13 +1,16 @@
 // What the host side of every kernel family shares (cast_kernel.cu, reduce_kernel.cu,
-// copy_kernel.cu, cast_to_peers_kernel.cu, net_pull_kernel.cu): tiles, alignment, the launch check
-// and the grid, the kernel parameter limit the task tables fit, and each family's preload, which
-// preload_kernels (kernel_launch.cpp) calls. Plain C++; not for the executor, which includes
-// kernels.cuh.
+// copy_kernel.cu, cast_to_peers_kernel.cu, net_pull_kernel.cu): tiles, alignment, the grid, the
+// checked launch (now, or deferred with its table), the kernel parameter limit the task tables
+// fit, and each family's preload, which preload_kernels (kernel_launch.cpp) calls. Plain C++; not
+// for the executor, which includes kernels.cuh.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <utility>
 
 #include "kernels.cuh"
 
@@ -21,8 +24,24 @@ inline constexpr std::size_t kMaxParamBytes = 32764;
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 inline int64_t tiles_of(int64_t elements) { return (elements + kTileElements - 1) / kTileElements; }
 
-// Throws tide::SystemError naming `kernel` if its launch failed.
-void check_launch(const char* kernel);
+// kernel<<<grid, kThreadsPerCta, 0, stream>>>(*args...) (cudaLaunchKernel); throws
+// tide::SystemError naming `name` if the launch failed, leaving no error behind for the next
+// cudaGetLastError (PyTorch's launch checks). Returns grid.
+int launch_kernel(const void* kernel, int grid, void** args, cudaStream_t stream, const char* name);
+
+// A launch of a table kernel (its one parameter, the table, passed by value), deferred (Launches):
+// the table is built once, now, and every run copies it into the launch; a run returns its grid.
+template <class Table>
+std::function<int(cudaStream_t)> deferred_launch(void (*kernel)(Table), std::shared_ptr<Table> table,
+                                                 int grid, const char* name) {
+  return [kernel, table = std::move(table), grid, name](cudaStream_t stream) {
+    void* args[] = {table.get()};
+    return launch_kernel(reinterpret_cast<const void*>(kernel), grid, args, stream, name);
+  };
+}
+
+// Loads `kernel` into the current context (each family's preload).
+void preload_kernel(const void* kernel);
 
 // min(tiles, the cap) CTAs, at least 1; the cap is max_ctas, or default_multiple x the default.
 inline int grid_for(int64_t tiles, int max_ctas, int default_multiple = 1) {

@@ -30,10 +30,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) net_pull_kernel(const uint64_t
 
 }  // namespace
 
-void preload_net_pull_kernel() {
-  cudaFuncAttributes attributes;
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, net_pull_kernel));
-}
+void preload_net_pull_kernel() { preload_kernel(reinterpret_cast<const void*>(net_pull_kernel)); }
 
 LaunchInfo launch_net_pull(const uint64_t* offset, const void* peer_data, void* dst,
                            std::size_t bytes, std::size_t limit, cudaStream_t stream) {
@@ -41,10 +38,11 @@ LaunchInfo launch_net_pull(const uint64_t* offset, const void* peer_data, void* 
   const std::size_t per_cta = static_cast<std::size_t>(kThreadsPerCta) * 16 * 8;
   const int grid = static_cast<int>(
       std::min<std::size_t>(kNetPullCtas, (bytes + per_cta - 1) / per_cta));
-  net_pull_kernel<<<grid, kThreadsPerCta, 0, stream>>>(
-      offset, static_cast<const std::byte*>(peer_data), static_cast<std::byte*>(dst), bytes, limit);
-  check_launch("net_pull_kernel<<<>>>");
-  return {1, grid};
+  const std::byte* src = static_cast<const std::byte*>(peer_data);
+  std::byte* out = static_cast<std::byte*>(dst);
+  void* args[] = {&offset, &src, &out, &bytes, &limit};
+  return {1, launch_kernel(reinterpret_cast<const void*>(net_pull_kernel), grid, args, stream,
+                           "net_pull_kernel")};
 }
 
 }  // namespace tide::cuda_kernels

@@ -78,21 +78,16 @@ std::function<int(cudaStream_t)> reduce_table_launch(const std::vector<ReduceTas
   std::copy_n(sources.begin() + static_cast<std::ptrdiff_t>(first * num_sources), n * num_sources,
               table_sources);
   table->num_tiles = tiles;
-  const int grid = grid_for(tiles, max_ctas);
-  return [table, grid](cudaStream_t stream) {
-    reduce_kernel<Table><<<grid, kThreadsPerCta, 0, stream>>>(*table);
-    check_launch("reduce_kernel<<<>>>");
-    return grid;
-  };
+  return deferred_launch<Table>(reduce_kernel<Table>, std::move(table), grid_for(tiles, max_ctas),
+                                "reduce_kernel");
 }
 
 }  // namespace
 
 void preload_reduce_kernels() {
-  cudaFuncAttributes attributes;
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<OneReduceTable>));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<SmallReduceTable>));
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel<LargeReduceTable>));
+  preload_kernel(reinterpret_cast<const void*>(reduce_kernel<OneReduceTable>));
+  preload_kernel(reinterpret_cast<const void*>(reduce_kernel<SmallReduceTable>));
+  preload_kernel(reinterpret_cast<const void*>(reduce_kernel<LargeReduceTable>));
 }
 
 Launches reduce_launches(const ReduceSpec* specs, std::size_t num_specs, int num_sources, int max_ctas) {
