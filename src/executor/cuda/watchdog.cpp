@@ -115,6 +115,16 @@ void CudaExecutor::Impl::watch_captured() {
   if (!stuck) return;
   const std::exception_ptr error = diagnose_flag_wait(*stuck);
   if (!error) return;  // the flags meet now: the wait is about to pass
+  // The peer may have signalled between the marks and the flags (a passed wait clears its flag,
+  // which then reads as never signalled): the wait is stuck only if its slot still shows the same
+  // marks a poll later.
+  std::this_thread::sleep_for(std::chrono::milliseconds(kCapturedPollMs));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const CapturedSlot& c : captured_slots)
+      if (c.slot == stuck->slot && (marks->reached(c.slot) != stuck->id || marks->passed(c.slot) != c.passed))
+        return;
+  }
   try {
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
@@ -134,6 +144,11 @@ void CudaExecutor::Impl::release_flag_wait(const PendingWait& w) {
 void CudaExecutor::Impl::watchdog_loop() {
   try {
     TIDE_CUDA_CHECK(cudaSetDevice(window.device()));
+    // A diagnosis copies on a side stream while another thread may be capturing a graph in
+    // global mode, which forbids such calls in every thread not relaxed: this one is (PyTorch
+    // relaxes its NCCL watchdog the same way).
+    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+    TIDE_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&relaxed));
     uint64_t stuck_id = UINT64_MAX;
     int idle_polls = 0;
     Clock::time_point stuck_since{};
