@@ -11,7 +11,9 @@ GPU (gloo). Skips without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 import os
 import sys
 import tempfile
@@ -64,24 +66,46 @@ def _build(c: dict, device):
     return cfg, model
 
 
-def _wrapper(fwd_bwd, mode: str):
-    """Mode "titan": torchtitan's own CUDAGraphWrapper where torchtitan imports (else CapturedStep,
-    which steps as it does); "plain": a torch.cuda.graph in its default, global capture mode."""
-    if mode == "titan":
-        try:
-            from torchtitan.distributed.cudagraph import CUDAGraphWrapper
-        except ImportError:
-            return CapturedStep(fwd_bwd)
-        example = None
+TORCHTITAN_FOUND = importlib.util.find_spec("torchtitan") is not None
 
-        def call(*batch):
-            nonlocal example
-            if example is None:
-                example = CUDAGraphWrapper(fwd_bwd, batch)
-            return example(*batch)
-        call.torchtitan = True
-        return call
-    return CapturedStep(fwd_bwd, "global")
+
+class _Stepper:
+    """fwd_bwd captured at its second call and replayed from then on. Mode "titan": by
+    torchtitan's own CUDAGraphWrapper where torchtitan imports, else by CapturedStep (which steps
+    as it does; `wrapper` says which, and why); "plain": a torch.cuda.graph in its default, global
+    capture mode."""
+
+    def __init__(self, fwd_bwd, mode: str):
+        self.calls, self.step, self.wrapper = 0, None, "CapturedStep"
+        if mode == "titan":
+            try:
+                from torchtitan.distributed.cudagraph import CUDAGraphWrapper
+                self.make = lambda batch: CUDAGraphWrapper(fwd_bwd, batch)
+                self.wrapper = "torchtitan"
+            except Exception as e:  # noqa: BLE001 - any import failure: said in `wrapper`
+                self.wrapper = f"CapturedStep (torchtitan: {type(e).__name__}: {e})"
+                self.make = lambda batch: CapturedStep(fwd_bwd)
+        else:
+            self.make = lambda batch: CapturedStep(fwd_bwd, "global")
+
+    def __call__(self, *batch):
+        self.calls += 1
+        if self.step is None:
+            self.step = self.make(batch)
+        return self.step(*batch)
+
+    @property
+    def replays(self) -> int:  # every call from the second replays (the second captures first)
+        return max(self.calls - 1, 0)
+
+
+def _error_chain(e: BaseException) -> str:
+    """An error and the ones it was raised while handling (a refused capture's CUDA error at
+    capture end sits on top of TIDE's)."""
+    chain = [e]
+    while chain[-1].__context__ is not None:
+        chain.append(chain[-1].__context__)
+    return " <- ".join(f"{type(c).__name__}: {c}" for c in chain)
 
 
 def train(rank: int, world: int, device, name: str, mode: str) -> dict:
@@ -97,25 +121,31 @@ def train(rank: int, world: int, device, name: str, mode: str) -> dict:
         loss.backward()
         return loss.detach()
 
-    step = fwd_bwd if mode == "eager" else _wrapper(fwd_bwd, mode)
-    losses, captured_counts = [], None
-    for s in range(STEPS):
-        for _ in range(c.get("micro", 1)):
-            batch = cfg.batch(2, 16, gen, device)
-            before = handle.counts()
-            losses.append(step(*batch).clone())
-            if mode != "eager" and captured_counts is None and s * c.get("micro", 1) >= 1:
-                after = handle.counts()  # the capture ran TIDE's collectives (a replay calls nothing)
-                captured_counts = {k: after[k] - before[k] for k in ("all_gathers", "reduce_scatters")}
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # as torchtitan does with captured steps
-    torch.cuda.synchronize()
+    step = fwd_bwd if mode == "eager" else _Stepper(fwd_bwd, mode)
+    losses, captured_counts, calls = [], None, 0
+    try:
+        for _ in range(STEPS):
+            for _ in range(c.get("micro", 1)):
+                batch = cfg.batch(2, 16, gen, device)
+                before = handle.counts()
+                losses.append(step(*batch).clone())
+                calls += 1
+                if mode != "eager" and calls == 2:  # the capture (and its first replay)
+                    after = handle.counts()  # TIDE's collectives ran in the capture (a replay calls none)
+                    captured_counts = {k: after[k] - before[k] for k in ("all_gathers", "reduce_scatters")}
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # as torchtitan does with captured steps
+        torch.cuda.synchronize()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the step's own error is the result
+            tide.fsdp.disable(model)
+        raise
     tide.fsdp.disable(model)
     return {"losses": [x.float().cpu() for x in losses],
             "params": [p.to_local().detach().float().cpu() for p in model.parameters()],
             "buckets": len(handle.buckets), "fallbacks": handle.fallbacks,
-            "captured_counts": captured_counts, "replays": STEPS * c.get("micro", 1) - 1,
-            "torchtitan": getattr(step, "torchtitan", False)}
+            "captured_counts": captured_counts, "replays": getattr(step, "replays", 0),
+            "wrapper": getattr(step, "wrapper", None)}
 
 
 def _modes(name: str) -> tuple:
@@ -133,12 +163,12 @@ def train_every_config(rank: int, world: int, device) -> dict:
                     import torchao.float8  # noqa: F401
                 results[name, mode] = train(rank, world, device, name, mode)
             except Exception as e:  # noqa: BLE001 - reported by the test of that configuration
-                results[name, mode] = f"{type(e).__name__}: {e}"
+                results[name, mode] = _error_chain(e)
             finally:
                 try:
                     from torchtitan.distributed.cudagraph import cudagraph_teardown
                     cudagraph_teardown()
-                except ImportError:
+                except Exception:  # noqa: BLE001 - no torchtitan: _Stepper said so
                     pass
     return results
 
@@ -146,6 +176,12 @@ def train_every_config(rank: int, world: int, device) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     return h.run_processes(2, train_every_config, device_type="cuda")
+
+
+# The ranks share one GPU and talk over gloo: torchao's dynamic float8 scale all-reduces its amax
+# over that group inside the all-gather, which no graph can capture (over NCCL it is captured), so
+# TIDE refuses it at capture, naming the group.
+FLOAT8_OVER_GLOO = "float8 weights' dynamic scales all-reduce their amax over the 'gloo' shard group"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -157,7 +193,13 @@ def test_captured_steps_train_bitwise_as_run_by_run(runs, name):
         assert isinstance(eager, dict), f"{name}, run by run, rank {rank}: {eager}"
         for mode in _modes(name):
             mine, where = results[name, mode], f"{name}, {mode}, rank {rank}"
+            if CONFIGS[name].get("float8"):
+                assert isinstance(mine, str) and FLOAT8_OVER_GLOO in mine, f"{where}: {mine}"
+                assert "tide.fsdp: param group" in mine and "which a CUDA graph cannot replay" in mine, mine
+                continue
             assert isinstance(mine, dict), f"{where}: {mine}"
+            if mode == "titan" and TORCHTITAN_FOUND:
+                assert mine["wrapper"] == "torchtitan", f"{where}: {mine['wrapper']}"
             assert mine["fallbacks"] == [] and mine["buckets"] == eager["buckets"] > 0, (where, mine["fallbacks"])
             counts = mine["captured_counts"]
             assert counts and counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, (where, counts)
@@ -177,10 +219,7 @@ def capture_first_step(rank: int, world: int, device) -> str:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             model(x).sum().backward()
     except RuntimeError as e:
-        chain = [e]
-        while chain[-1].__context__ is not None:
-            chain.append(chain[-1].__context__)
-        return " <- ".join(str(c) for c in chain)
+        return _error_chain(e)
     return "captured"
 
 

@@ -608,7 +608,7 @@ def scenario_float8_cast_checked() -> dict:
     first all-gather's comparison with torchao's own cast must raise, on every rank."""
     from tide.fsdp import _float8
     right = _float8.scale
-    _float8.scale = lambda fp: right(fp) * 2
+    _float8.scale = lambda fp, *capture: right(fp, *capture) * 2
     model = build_float8(True)
     handle = tide.fsdp.enable(model, timeout_ms=60000)
     try:
@@ -626,7 +626,31 @@ def scenario_float8_cast_checked() -> dict:
     return {"error_text": error, "tide_casts": casts}
 
 
+def scenario_float8_capture_refusals() -> dict:
+    """What a replay could not compute again of torchao's float8 scales is refused at capture
+    (_float8.scale, given the capture id a CUDA graph capture has): a dynamic scale's amax
+    all-reduced over gloo, and a precomputed scale (a new tensor every step)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from tide.fsdp import _float8
+    model = build_float8(True)
+    handle = tide.fsdp.enable(model, timeout_ms=60000)
+    fp = next(fp for b in handle.buckets if b.gather is not None
+              for fp, why in zip(b.fsdp_params, b.gather.why_not_cast) if why == "")
+    errors = {}
+    for name in ("dynamic", "precomputed"):
+        if name == "precomputed":
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        try:
+            _float8.scale(fp, 1, "blocks.0")
+            errors[name] = ""
+        except RuntimeError as e:
+            errors[name] = str(e)
+    tide.fsdp.disable(model)
+    return errors
+
+
 SCENARIOS = {
+    "float8_capture_refusals": (scenario_float8_capture_refusals, (2,), True),
     "float8_dynamic": (lambda: scenario_float8(False), (2, 3), True),
     "float8_precomputed": (lambda: scenario_float8(True), (2, 3), True),
     "float8_only_groups": (lambda: scenario_float8(False, only_float8_groups=True), (2,), True),
@@ -738,6 +762,18 @@ def test_float8_cast_differing_from_torchao_raises_on_every_rank():
     for rank, r in enumerate(results(2)["float8_cast_checked"]):
         assert r.get("tide_casts") == 4, f"rank {rank}: {r}"
         assert "float8 cast differs from torchao's own" in r["error_text"], f"rank {rank}: {r}"
+
+
+@needs_torchao
+def test_float8_scales_a_replay_cannot_compute_again_are_refused_at_capture():
+    for rank, errors in enumerate(results(2)["float8_capture_refusals"]):
+        assert "error" not in errors, f"rank {rank}: {errors}"
+        assert errors["dynamic"].startswith(
+            "tide.fsdp: param group blocks.0: its float8 weights' dynamic scales all-reduce their amax "
+            "over the 'gloo' shard group"), f"rank {rank}: {errors}"
+        assert errors["precomputed"].startswith(
+            "tide.fsdp: param group blocks.0: its float8 weights use torchao's precomputed scales"), errors
+        assert all("which a CUDA graph cannot replay" in e for e in errors.values()), errors
 
 
 @needs_torchao

@@ -59,3 +59,32 @@ def test_window_lease_takes_the_same_windows_on_every_rank():
     assert seen == {"regather_same": True, "remaps_after_regather": 1, "b_takes_vacated": True,
                     "a_vacate_after_release": False, "a_staging_not_reclaimed": True,
                     "b_slot_reuse": True, "wide": True, "windows": 1, "remaps": 2}, seen
+
+
+def captured_lease_rank(rank: int) -> dict:
+    pool = WindowPool(dist.group.WORLD, WINDOW_BYTES, 30_000, "test/window/captured", torch.device("cpu"),
+                      _tide.Topology.single_node(2), "host")
+    counts = Counts()
+    a, b = WindowLease(pool, counts), WindowLease(pool, counts)
+    storage = _fsdp2.UnshardedStorage([torch.zeros(4)])
+    captured = a.acquire_for_all_gather(0, "layers.0")
+    a.captured_path = "layers.0"  # as the bucket marks it once the all-gather was captured
+    a.vacate(storage)
+    b.acquire_for_all_gather(0, "layers.1")  # takes a's vacated window
+    try:
+        a.acquire_for_all_gather(0, "layers.0")  # a new window, which a's address would map
+    except RuntimeError as e:
+        return {"error": str(e), "mapped_kept": a.mapped is captured, "new_window_free": len(pool.free) == 1,
+                "holds": a.window}
+    return {"error": None}
+
+
+def test_a_captured_group_never_maps_another_window():
+    """A graph's replays write the window its capture mapped at the group's address: a later
+    run-by-run all-gather that would map another one there raises on every rank, naming the group,
+    and gives the window it took back to the pool."""
+    for rank, seen in enumerate(threaded_world.run(2, captured_lease_rank)):
+        assert seen["error"] and seen["error"].startswith(
+            "tide.fsdp: param group layers.0: this all-gather, run by run after a CUDA graph captured "
+            "the group, would map another window"), (rank, seen)
+        assert seen["mapped_kept"] and seen["new_window_free"] and seen["holds"] is None, (rank, seen)

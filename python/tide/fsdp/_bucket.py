@@ -199,6 +199,8 @@ class Bucket:
                 window.use_on(stream, capture)
                 window.run(self.ag_program, [s.data_ptr() for s in shards], (), self._scales())
                 event = stream.record_event()
+                if capture:  # its replays write this window: the address keeps mapping it
+                    self.lease.captured_path = self.path
             else:  # `shards` referenced until the program has read them (extension inputs are new tensors)
                 shards = self._shards(None, 0)
                 window.run(self.ag_program, [s.data_ptr() for s in shards], (), self._scales())
@@ -222,7 +224,7 @@ class Bucket:
         extensions each param's all-gather inputs (_extension.py)."""
         if self.gather is not None:
             return self.gather.shards(self.fsdp_params, lambda i, j: self._shard(
-                self.fsdp_params[i], self.gather_layout.params[j], stream, capture))
+                self.fsdp_params[i], self.gather_layout.params[j], stream, capture), capture, self.path)
         return [self._shard(fp, p, stream, capture) for p, fp in zip(self.layout.params, self.laid_out)]
 
     def _shard(self, fp: _fsdp2.FSDPParam, p: _tide.ParamLayout, stream: torch.cuda.Stream | None,

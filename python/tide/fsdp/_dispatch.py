@@ -37,7 +37,10 @@ def foreach_all_gather(*args: object, **kwargs: object) -> _fsdp2.AllGatherResul
     call = _hooks.Call("foreach_all_gather", args, kwargs)
     fsdp_params = call.get("fsdp_params")
     bucket = _bucket_of(fsdp_params)
-    if bucket is None or len(fsdp_params) != len(bucket.fsdp_params):
+    if bucket is not None and len(fsdp_params) != len(bucket.fsdp_params):
+        _refuse_stock_capture(bucket, "this all-gather", "it gathers part of the group")
+        bucket = None
+    if bucket is None:
         return _hooks.stock("foreach_all_gather")(*args, **kwargs)
     bucket.check_state(call.get("all_gather_comm"))
     with torch.no_grad():
@@ -70,10 +73,14 @@ def foreach_reduce(*args: object, **kwargs: object) -> object:
     subset = tuple(map(bucket.index.__getitem__, map(id, fsdp_params)))
     reason = _fallbacks.reduce_scatter_reason(bucket, subset, fsdp_params, grads, call)
     if reason:
-        _refuse_stock_capture(bucket, reason)
+        _refuse_stock_capture(bucket, "this reduce-scatter", reason)
         _log_once(("rs", bucket.path, reason), "tide.fsdp: param group %s: this reduce-scatter runs "
                   "stock FSDP2: %s", bucket.path, reason)
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
+    if call.get("all_reduce_group") is not None:  # HSDP: stock all-reduces the reduce-scatter's output
+        _refuse_stock_capture(bucket, "this reduce-scatter's all-reduce across replicas (HSDP)",
+                              "stock FSDP2 runs it after TIDE's reduce-scatter",
+                              call.get("all_reduce_group"))
     comm = ReduceScatterComm(bucket, subset, call.get("gradient_divide_factor"))
     pending = _pending_comms()
     pending.append(comm)
@@ -85,14 +92,16 @@ def foreach_reduce(*args: object, **kwargs: object) -> object:
         pending.remove(comm)
 
 
-def _refuse_stock_capture(bucket: Bucket, reason: str) -> None:
-    """A call that runs stock FSDP2 is captured by the process group's own collective: NCCL's can
-    be, gloo's cannot (ranks sharing a GPU), which is refused here with the group and the reason."""
+def _refuse_stock_capture(bucket: Bucket, what: str, reason: str,
+                          group: dist.ProcessGroup | None = None) -> None:
+    """A collective stock FSDP2 runs (`what`, because of `reason`) is captured by the process
+    group's own (`group`, by default the bucket's): NCCL's can be, gloo's cannot (ranks sharing a
+    GPU), which is refused here, naming the group and the reason."""
     if bucket.cuda and capture_id(bucket.pool.device):
-        backend = str(dist.get_backend(bucket.group))
+        backend = str(dist.get_backend(group or bucket.group))
         if "nccl" not in backend:
-            raise not_capturable(bucket.path, f"this reduce-scatter runs stock FSDP2 ({reason}) over "
-                                 f"its '{backend}' process group", "remove the cause, or give the "
+            raise not_capturable(bucket.path, f"{what} runs stock FSDP2 ({reason}) over a "
+                                 f"'{backend}' process group", "remove the cause, or give the "
                                  "group an NCCL backend, whose collectives can be captured")
 
 

@@ -19,8 +19,10 @@ with torchao's own ``fsdp_pre_all_gather`` on every rank, and raises on every ra
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from . import _fsdp2
+from ._capture import not_capturable
 
 # torchao releases whose float8 weight cast (x.to(float32) * scale, clamp to +-448, to e4m3fn) and
 # fsdp_pre_all_gather TIDE reproduces; others use the generic path.
@@ -69,12 +71,16 @@ def shard(fp) -> torch.Tensor:
     return local._tensor
 
 
-def scale(fp) -> torch.Tensor:
+def scale(fp, capture: int = 0, path: str = "") -> torch.Tensor:
     """The param's scale for this all-gather, as torchao's ``fsdp_pre_all_gather`` computes it (for
     a dynamic scale: an all-reduce of the amax over the shard mesh, so every rank calls this for
     the same params in the same order), recorded for ``fsdp_post_all_gather`` as FSDP2 records
-    torchao's own metadata."""
+    torchao's own metadata. In a CUDA graph capture (`capture`, of group `path`) the scale must
+    be one a replay computes again: a dynamic one over a process group whose all-reduce is
+    captured (NCCL's)."""
     local = _fsdp2.sharded_local_tensor(fp)
+    if capture:
+        _refuse_uncapturable_scale(local, fp, path)
     if local._precomputed_scale is not None:
         s = local._precomputed_scale
     else:
@@ -86,6 +92,21 @@ def scale(fp) -> torch.Tensor:
     s = s.contiguous()
     _fsdp2.record_extension_inputs(fp, (s,), [local._tensor.size()])
     return s
+
+
+def _refuse_uncapturable_scale(local, fp, path: str) -> None:
+    if local._precomputed_scale is not None:
+        raise not_capturable(path, "its float8 weights use torchao's precomputed scales "
+                             "(precompute_float8_dynamic_scale_for_fsdp makes new tensors every "
+                             "step; a replay would read the captured step's)",
+                             "capture with dynamic scales (torchao's default, as torchtitan trains)")
+    backends = {str(dist.get_backend(g)) for g in _fsdp2.shard_mesh(fp).get_all_groups()}
+    backend = next((b for b in sorted(backends) if "nccl" not in b), None)
+    if backend is not None:
+        raise not_capturable(path, "its float8 weights' dynamic scales all-reduce their amax over "
+                             f"the '{backend}' shard group (torchao's tensor_to_scale), which "
+                             "cannot be captured", "give the group an NCCL backend (one GPU per "
+                             "rank), or capture without float8 all-gather")
 
 
 def torchao_cast(fp) -> tuple:

@@ -30,6 +30,9 @@ class WindowLease:
         self.mapped: PooledWindow | None = None  # the window mapped at the fixed address (kept after release)
         self.freed: torch.cuda.Event | None = None  # CUDA: on the compute stream after the params' last use
         self.staging_pool: WindowPool | None = None  # where the reduce-scatter's window returns
+        # The group's path once its all-gather was captured in a CUDA graph (the bucket sets it):
+        # the graph writes the window mapped here then, so the address must keep mapping it.
+        self.captured_path: str | None = None
 
     def _reclaim(self) -> bool:
         """Whether this lease still has its window: held, or vacated and taken back from the pool's
@@ -69,6 +72,15 @@ class WindowLease:
             # Still mapped here since this lease last held it (windows map at several addresses
             # at once): no remap, so no host wait; the window's `ready` event orders its reuse.
             return
+        if self.captured_path is not None:
+            # A graph's replays write the window captured, and its parameters read this address:
+            # mapping another window here would hand them stale bytes.
+            raise RuntimeError(
+                f"tide.fsdp: param group {self.captured_path}: this all-gather, run by run after a "
+                "CUDA graph captured the group, would map another window at the group's address, "
+                "which the graph's replays do not follow; run the steps between replays as the "
+                "captured step runs them (the same groups, in the same order), or drop the graph, "
+                "tide.fsdp.disable the model, enable it again and capture anew")
         self.counts.remaps += 1
         self.mapped = None  # until the new mapping is in place
         if self.cuda and self.freed is not None:
