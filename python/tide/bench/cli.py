@@ -18,7 +18,7 @@ import sys
 import torch
 
 from . import report
-from .launch import run_ranks, run_torchrun, under_torchrun
+from .launch import ranks_share_gpus, run_ranks, run_torchrun, under_torchrun
 from .model import PRESETS
 
 MIB = 2**20
@@ -146,6 +146,11 @@ def _fsdp(args, parser, device) -> int:
             parser.error(f"--cuda-graphs: device {device}: expected cuda (CUDA graphs need a GPU)")
         if args.plot_dir:
             parser.error("--cuda-graphs with --plot-dir: the plots compare stock FSDP2 with TIDE")
+        if args.float8 and not under_torchrun() and ranks_share_gpus(device, args.world):
+            parser.error(f"--cuda-graphs with --float8 on {args.world} ranks sharing "
+                         f"{torch.cuda.device_count()} GPU(s): torchao's float8 scales all-reduce "
+                         "their amax over gloo there, which a CUDA graph cannot capture (NCCL's can: "
+                         "one GPU per rank)")
         if hasattr(cfg, "capturable"):  # routing without a host read of the expert counts
             cfg = dataclasses.replace(cfg, capturable=True)
     if args.float8:
@@ -329,7 +334,6 @@ def main(argv=None) -> int:
 def _host_cost(args, parser, device) -> int:
     from .. import _tide
     from .host_cost_bench import run_host_cost
-    from .launch import ranks_share_gpus
 
     if device != "cuda" or not _tide.cuda_built:
         parser.error("host-cost needs a GPU and a CUDA build of TIDE (on CPU TIDE's host transport "
