@@ -110,6 +110,10 @@ SANITIZER_CASES=(
   # sanitizer the case passed 40 of 40 runs; memcheck covers these kernels in the single-rank case.
   # Not under synccheck either: under it the ranks' stream waits did not finish in 300 s.
   "CudaCollectives.RanksAsThreadsOfOneProcess|TIDE_CUDA_CAST_TO_PEERS=0|1|racecheck|10"
+  # the same ranks as threads, W = 3, with AG and RS captured in CUDA graphs and replayed between
+  # run-by-run runs (copy-engine pushes: the stream path's captured waits and clears); racecheck
+  # only, as the case above
+  "CudaGraphs.ReplaysMatchRunByRunAsThreadsPushing||1|racecheck|3"
   # the cast-to-peers kernel itself: one rank's kernel stuck on a flag, released by the watchdog (its
   # peers run no kernel), in both outcomes (DesyncError, TimeoutError)
   "CudaCollectives.AStuckCastToPeersKernelTimesOutLikeAStreamWait||1"
