@@ -122,7 +122,7 @@ def train(rank: int, world: int, device, name: str, mode: str) -> dict:
         return loss.detach()
 
     step = fwd_bwd if mode == "eager" else _Stepper(fwd_bwd, mode)
-    losses, captured_counts, calls = [], None, 0
+    losses, captured_counts, replay_counts, calls = [], None, None, 0
     try:
         for _ in range(STEPS):
             for _ in range(c.get("micro", 1)):
@@ -130,9 +130,13 @@ def train(rank: int, world: int, device, name: str, mode: str) -> dict:
                 before = handle.counts()
                 losses.append(step(*batch).clone())
                 calls += 1
-                if mode != "eager" and calls == 2:  # the capture (and its first replay)
-                    after = handle.counts()  # TIDE's collectives ran in the capture (a replay calls none)
-                    captured_counts = {k: after[k] - before[k] for k in ("all_gathers", "reduce_scatters")}
+                if mode != "eager" and calls in (2, 3):  # the capture (and its first replay), a replay
+                    after = handle.counts()  # TIDE's collectives ran in the capture, none in a replay
+                    counts = {k: after[k] - before[k] for k in ("all_gathers", "reduce_scatters")}
+                    if calls == 2:
+                        captured_counts = counts
+                    else:
+                        replay_counts = counts
             opt.step()
             opt.zero_grad(set_to_none=False)  # as torchtitan does with captured steps
         torch.cuda.synchronize()
@@ -144,7 +148,8 @@ def train(rank: int, world: int, device, name: str, mode: str) -> dict:
     return {"losses": [x.float().cpu() for x in losses],
             "params": [p.to_local().detach().float().cpu() for p in model.parameters()],
             "buckets": len(handle.buckets), "fallbacks": handle.fallbacks,
-            "captured_counts": captured_counts, "replays": getattr(step, "replays", 0),
+            "captured_counts": captured_counts, "replay_counts": replay_counts,
+            "replays": getattr(step, "replays", 0),
             "wrapper": getattr(step, "wrapper", None)}
 
 
@@ -203,6 +208,7 @@ def test_captured_steps_train_bitwise_as_run_by_run(runs, name):
             assert mine["fallbacks"] == [] and mine["buckets"] == eager["buckets"] > 0, (where, mine["fallbacks"])
             counts = mine["captured_counts"]
             assert counts and counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, (where, counts)
+            assert mine["replay_counts"] == {"all_gathers": 0, "reduce_scatters": 0}, (where, mine["replay_counts"])
             assert mine["replays"] >= 5, where
             for k, (a, b) in enumerate(zip(eager["losses"], mine["losses"])):
                 assert torch.equal(a, b), f"{where}: loss of micro-batch {k}: {a} (run by run) != {b}"

@@ -151,6 +151,9 @@ def _fsdp(args, parser, device) -> int:
                          f"{torch.cuda.device_count()} GPU(s): torchao's float8 scales all-reduce "
                          "their amax over gloo there, which a CUDA graph cannot capture (NCCL's can: "
                          "one GPU per rank)")
+        if args.ranks_per_node and args.ranks_per_node < args.world:
+            parser.error(f"--cuda-graphs with --ranks-per-node {args.ranks_per_node} < --world "
+                         f"{args.world}: programs across nodes cannot be captured")
         if hasattr(cfg, "capturable"):  # routing without a host read of the expert counts
             cfg = dataclasses.replace(cfg, capturable=True)
     if args.float8:
@@ -178,6 +181,7 @@ def _fsdp(args, parser, device) -> int:
             values = [r[k] for r in runs]  # the slowest / largest rank
             out[k] = max(values) if None not in values else None
         out["replays"] = runs[0]["replays"]
+        out["loop_collectives"] = runs[0]["loop_collectives"]
         out["layout_copy_mib"] = runs[0]["layout_copy_bytes"] / MIB
         out["shard_dim_copy_mib"] = runs[0]["shard_dim_copy_bytes"] / MIB
         for k in ("peak_memory_kind", "tide_buckets", "tide_fallbacks", "tide_fallback_groups",

@@ -299,6 +299,7 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
             sm_cta_us = handle.sm_cta_us()
             lowered = (handle.lowerings(), _collective_runs(handle.counts()) - runs_before)
             handle.enable_sm_stats(False)
+    loop_start = handle.counts() if handle is not None else None
     for step in range(total):
         # (a replay calls no Python: there is no collective to time, but the step is taken so
         # that every mode's parameters see the same updates)
@@ -330,6 +331,9 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
         "host_ms": statistics.median(host_s) * 1e3 if host_s else None,
         "collectives_ms": statistics.median(coll_s) * 1e3 if coll_s else None,
         "replays": fwd_bwd.replays if captured else 0,
+        # TIDE's collectives the timed steps ran from Python: none when every step replays a graph
+        "loop_collectives": (_collective_runs(handle.counts()) - _collective_runs(loop_start)
+                             if handle is not None else None),
         "layout_copy_bytes": counter.bytes,
         "shard_dim_copy_bytes": counter.shard_dim_bytes,
         "sm_cta_us": sm_cta_us,

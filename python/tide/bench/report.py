@@ -86,7 +86,9 @@ def fsdp_graphs_table(summary: dict) -> str:
     lines.append("host time: from the step's start until it returns (forward, backward, optimizer "
                  "issued), not waiting for the GPU; step time waits for it")
     lines.append(f"TIDE handled {c['tide_buckets']} of {c['param_groups']} param groups; "
-                 f"{c['replays']} replays of one captured forward + backward per rank")
+                 f"{c['replays']} replays of one captured forward + backward per rank; TIDE "
+                 f"collectives called from Python in the timed steps: {e['loop_collectives']} run by "
+                 f"run, {c['loop_collectives']} captured")
     lines.append(f"max |captured - run by run| over final parameters = {summary['max_abs_diff']:.3e}"
                  + (" (bitwise equal)" if summary["max_abs_diff"] == 0 else ""))
     return "\n".join(lines)

@@ -77,7 +77,7 @@ def foreach_reduce(*args: object, **kwargs: object) -> object:
         _log_once(("rs", bucket.path, reason), "tide.fsdp: param group %s: this reduce-scatter runs "
                   "stock FSDP2: %s", bucket.path, reason)
         return _hooks.stock("foreach_reduce")(*args, **kwargs)
-    if call.get("all_reduce_group") is not None:  # HSDP: stock all-reduces the reduce-scatter's output
+    if call.get("all_reduce_group") is not None and call.get("all_reduce_grads"):  # HSDP, not a no-sync micro-batch
         _refuse_stock_capture(bucket, "this reduce-scatter's all-reduce across replicas (HSDP)",
                               "stock FSDP2 runs it after TIDE's reduce-scatter",
                               call.get("all_reduce_group"))

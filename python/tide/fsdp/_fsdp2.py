@@ -51,7 +51,7 @@ HOOK_TARGETS = {
 READ_PARAMETERS = {
     "foreach_all_gather": ("fsdp_params", "all_gather_comm", "all_gather_stream"),
     "foreach_reduce": ("fsdp_params", "unsharded_grads", "reduce_scatter_comm", "reduce_dtype",
-                       "gradient_divide_factor"),
+                       "gradient_divide_factor", "all_reduce_group", "all_reduce_grads"),
 }
 
 

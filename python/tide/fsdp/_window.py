@@ -77,10 +77,11 @@ class WindowLease:
             # mapping another window here would hand them stale bytes.
             raise RuntimeError(
                 f"tide.fsdp: param group {self.captured_path}: this all-gather, run by run after a "
-                "CUDA graph captured the group, would map another window at the group's address, "
-                "which the graph's replays do not follow; run the steps between replays as the "
-                "captured step runs them (the same groups, in the same order), or drop the graph, "
-                "tide.fsdp.disable the model, enable it again and capture anew")
+                "CUDA graph captured the group (or a capture began to: one that failed leaves the "
+                "mark too), would map another window at the group's address, which the graph's "
+                "replays do not follow; run the steps between replays as the captured step runs "
+                "them (the same groups, in the same order), or drop the graph, tide.fsdp.disable "
+                "the model, enable it again and capture anew")
         self.counts.remaps += 1
         self.mapped = None  # until the new mapping is in place
         if self.cuda and self.freed is not None:

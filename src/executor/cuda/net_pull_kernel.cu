@@ -5,7 +5,6 @@
 #include <cstdint>
 
 #include "copy_task.cuh"
-#include "cuda/cuda_check.hpp"
 #include "kernel_launch.hpp"
 #include "kernels.cuh"
 
