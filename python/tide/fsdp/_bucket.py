@@ -178,7 +178,8 @@ class Bucket:
                              "after tide.fsdp.enable; set it before enable (the group then stays stock)")
 
     def all_gather(self, stream: torch.cuda.Stream | None = None) -> _fsdp2.AllGatherResult:
-        capture = capture_id(self.pool.device) if self.cuda else 0
+        compute = torch.cuda.current_stream(self.pool.device) if self.cuda else None
+        capture = capture_id(compute) if self.cuda else 0
         if capture and (not self.param_outputs or (self.gather is not None and self.gather.unchecked)):
             raise not_capturable(self.path, "its first all-gather is being captured (it lays the "
                                  "group out and checks it with the other ranks on the host)",
@@ -192,8 +193,8 @@ class Bucket:
             if self.cuda:
                 # On FSDP2's all-gather stream, after the compute stream (optimizer steps write
                 # the shards) and after the window's previous user; FSDP2 waits on the event.
-                stream = stream or torch.cuda.current_stream(self.pool.device)
-                stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+                stream = stream or compute
+                stream.wait_stream(compute)
                 with torch.cuda.stream(stream):
                     shards = self._shards(stream, capture)
                 window.use_on(stream, capture)
@@ -333,7 +334,9 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
             raise RuntimeError("tide.fsdp: reduce-scatter called without TIDE's gradient hand-off "
                                "(FSDP2 internals changed?)")
         bucket, grads = self.bucket, self.grads
-        capture = capture_id(bucket.pool.device) if bucket.cuda else 0
+        # stock foreach_reduce calls this on its reduce-scatter stream
+        stream = torch.cuda.current_stream(bucket.pool.device) if bucket.cuda else None
+        capture = capture_id(stream) if bucket.cuda else 0
         if op == dist.ReduceOp.AVG:
             options_key = (_tide.ReduceKind.avg, 1.0)
         elif op == dist.ReduceOp.SUM:
@@ -352,8 +355,7 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
         bucket.counts.reduce_scatter_bytes += nbytes
         try:
             with _profiled(lambda: f"tide::reduce_scatter {bucket.path} ({nbytes} B)", bucket.cuda):
-                if bucket.cuda:  # stock foreach_reduce calls this on its reduce-scatter stream
-                    stream = torch.cuda.current_stream(bucket.pool.device)
+                if bucket.cuda:
                     window.use_on(stream, capture)
                     window.run(program, inputs, outputs)
                     for g in grads:  # read in place on this stream; freed by the compute stream

@@ -10,9 +10,10 @@ import torch
 from .. import _tide
 
 
-def capture_id(device: torch.device) -> int:
-    """The CUDA graph capture the current stream of `device` is in, 0 when none."""
-    return _tide.cuda_capture_id(torch.cuda.current_stream(device).cuda_stream)
+def capture_id(stream: torch.cuda.Stream) -> int:
+    """The CUDA graph capture `stream` is in, 0 when none (callers pass the stream they use
+    anyway: the current stream costs a Stream object each time it is asked for)."""
+    return _tide.cuda_capture_id(stream.cuda_stream)
 
 
 def not_capturable(path: str, what: str, instead: str) -> RuntimeError:

@@ -97,7 +97,7 @@ def _refuse_stock_capture(bucket: Bucket, what: str, reason: str,
     """A collective stock FSDP2 runs (`what`, because of `reason`) is captured by the process
     group's own (`group`, by default the bucket's): NCCL's can be, gloo's cannot (ranks sharing a
     GPU), which is refused here, naming the group and the reason."""
-    if bucket.cuda and capture_id(bucket.pool.device):
+    if bucket.cuda and capture_id(torch.cuda.current_stream(bucket.pool.device)):
         backend = str(dist.get_backend(group or bucket.group))
         if "nccl" not in backend:
             raise not_capturable(bucket.path, f"{what} runs stock FSDP2 ({reason}) over a "

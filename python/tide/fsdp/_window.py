@@ -102,8 +102,9 @@ class WindowLease:
             return self.pool.is_pending(self.window, self)
         storage.release()
         if self.cuda:  # the params' last readers were enqueued on the current stream
-            self.freed = torch.cuda.current_stream(self.pool.device).record_event()
-            self.window.set_ready(self.freed, capture_id(self.pool.device))
+            compute = torch.cuda.current_stream(self.pool.device)
+            self.freed = compute.record_event()
+            self.window.set_ready(self.freed, capture_id(compute))
         self.vacated = True
         self.pool.release_later(self.window, self)
         return True

@@ -270,8 +270,8 @@ struct CudaExecutor::Impl {
   void run(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& lowered,
            bool reuse);
   // Whether the stream is being captured into a CUDA graph (refused where that cannot be
-  // recorded: the legacy stream, an invalidated capture, a program CudaExecutor::capturable
-  // refuses), before anything moves.
+  // recorded: the legacy stream, an invalidated capture, a program CudaExecutor::capture_refusal
+  // names), before anything moves.
   bool check_capture(const Program& program);
   bool capturing = false;  // the run being enqueued is captured (kCapturedEpoch, no copy batches)
   void lower(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& out);
