@@ -7,7 +7,9 @@
 #   cpp      the C++ GPU tests (scripts/gpu_suite.sh tests)
 #   python   pytest: the extension checks, the CUDA scenarios of tests/python/test_fsdp.py and
 #            test_fsdp_lifetime.py (ranks as processes sharing the GPU), test_fsdp_cuda_graphs.py (captured
-#            steps vs run-by-run ones), test_fsdp_cuda.py (skips without 2 GPUs), the CLI tests
+#            steps vs run-by-run ones; stepped by torchtitan's own CUDAGraphWrapper where
+#            scripts/torchtitan_wrapper.sh made build-titan/), test_fsdp_cuda.py (skips without 2 GPUs),
+#            the CLI tests
 #   bench    tide-bench fsdp with its defaults, then with --cuda-graphs (on one GPU: 2 ranks sharing it)
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
 #
@@ -84,10 +86,24 @@ stage_python() {
   else
     parts=("$select")
   fi
+  # torchtitan's own CUDA-graph wrapper drives the captured steps where scripts/torchtitan_wrapper.sh
+  # put it (the GPU machine reaches no registry; the folder is carried with the tree).
+  local titan="${TIDE_TITAN_PATH:-$ROOT/build-titan}" wrapper pythonpath="${PYTHONPATH:-}"
+  if [[ -d "$titan" ]]; then
+    pythonpath="$titan${pythonpath:+:$pythonpath}"
+    wrapper=$(cd /tmp && PYTHONPATH="$pythonpath" "$PY" -c "from torchtitan.distributed.cudagraph import CUDAGraphWrapper
+from importlib.metadata import version; print('torchtitan', version('torchtitan'), 'CUDAGraphWrapper')" 2>&1 |
+      tail -1) || true
+    [[ $wrapper == torchtitan* ]] ||
+      wrapper="CapturedStep (torchtitan's wrapper does not import from $titan, which the tests then fail on: $wrapper)"
+  else
+    wrapper="CapturedStep (no $titan: scripts/torchtitan_wrapper.sh)"
+  fi
+  say "python: captured steps stepped by $wrapper"
   local pids=() i
   for i in "${!parts[@]}"; do
     # Outside the source tree, so `import tide` is the installed package, as for a user.
-    (cd /tmp && timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider \
+    (cd /tmp && PYTHONPATH="$pythonpath" timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider \
        "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
        "$ROOT/tests/python/test_fsdp.py" "$ROOT/tests/python/test_fsdp_lifetime.py" \
        "$ROOT/tests/python/test_bench_cli.py" "$ROOT/tests/python/test_fsdp_cuda_graphs.py" -k "${parts[$i]}") \
@@ -107,7 +123,7 @@ stage_python() {
   for i in "${!parts[@]}"; do cat "$OUT/gate_python_$i.log"; done >"$OUT/gate_python.log"
   # The CUDA scenarios must have run, not skipped: a gate that skipped them proved nothing.
   if grep -q "SKIPPED.*test_fsdp.py.*needs a CUDA build" "$OUT/gate_python.log"; then rc=6; fi
-  local summary="$passed passed, $skipped skipped in ${#parts[@]} processes:$(printf ' [%s]' "${lines[@]}")"
+  local summary="$passed passed, $skipped skipped in ${#parts[@]} processes:$(printf ' [%s]' "${lines[@]}"); captured steps by $wrapper"
   [[ $rc == 0 ]] && record python "PASS ($summary)" || record python "FAIL (exit $rc: $summary)"
 }
 

@@ -93,3 +93,39 @@ def test_stages_side_by_side_each_report_their_result(tmp_path):
     assert "build not run, cpp PASS, python FAIL" in out.stdout
     for stage in ("cpp", "python"):
         assert f"ran {stage}" in (tmp_path / "out" / f"gate_stage_{stage}.txt").read_text()
+
+
+def fake_torchtitan(folder: Path) -> Path:
+    """A folder that imports as torchtitan 0.3.0's CUDA-graph wrapper (what
+    scripts/torchtitan_wrapper.sh makes), for the gate's check alone."""
+    package = folder / "torchtitan" / "distributed"
+    package.mkdir(parents=True)
+    (folder / "torchtitan" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "cudagraph.py").write_text("class CUDAGraphWrapper:\n    pass\n")
+    info = folder / "torchtitan-0.3.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchtitan\nVersion: 0.3.0\n")
+    return folder
+
+
+@pytest.mark.parametrize("titan, wrapper", [
+    ("fake", "captured steps by torchtitan 0.3.0 CUDAGraphWrapper"),
+    ("missing", "captured steps by CapturedStep (no "),
+    ("broken", "captured steps by CapturedStep (torchtitan's wrapper does not import from"),
+])
+def test_the_python_stage_names_the_wrapper_that_stepped_captured_steps(tmp_path, titan, wrapper):
+    """torchtitan's own wrapper where TIDE_TITAN_PATH holds it, CapturedStep otherwise; the stage's
+    result says which (no test is selected here: the stage fails, and says so)."""
+    folder = tmp_path / "titan"
+    if titan == "fake":
+        fake_torchtitan(folder)
+    elif titan == "broken":
+        (folder / "torchtitan").mkdir(parents=True)
+    env = dict(os.environ, GATE_DIR=str(tmp_path / "gate"), OUT=str(tmp_path / "out"),
+               TIDE_TITAN_PATH=str(folder), PYTEST_K="no_test_has_this_name", PYTEST_SPLIT="0")
+    out = subprocess.run(["bash", str(GATE), "python"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr  # the stage ran; its result is recorded
+    result = (tmp_path / "gate" / "python").read_text().splitlines()[0]
+    assert result.startswith("FAIL") and wrapper in result, result
