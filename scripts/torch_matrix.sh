@@ -14,4 +14,6 @@ echo "== tide.fsdp tests on torch $version ($venv)"
   "$venv/bin/python" -m pip install -q "torch==$version"
 "$venv/bin/python" -c "import torch, tide; print('   torch', torch.__version__, '| tide', tide.__file__)"
 "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider tests/python/test_extension.py \
-  tests/python/test_fsdp_conformance.py tests/python/test_fsdp_dtensor.py tests/python/test_fsdp.py -k "not cuda and not cpu-W3"
+  tests/python/test_fsdp_conformance.py tests/python/test_fsdp_dtensor.py tests/python/test_fsdp.py \
+  tests/python/test_fsdp_extensions.py tests/python/test_fsdp_lifetime.py tests/python/test_fsdp_window.py \
+  tests/python/test_fsdp_shard_dim.py -k "not cuda and not cpu-W3"

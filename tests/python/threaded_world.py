@@ -10,7 +10,13 @@ import threading
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.multi_threaded_pg import (
-    ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg)
+    ProcessLocalGroup, ThreadLocalWorld, _install_threaded_pg, _uninstall_threaded_pg)
+
+# torch 2.11's destroy_process_group finalizes the world's `comms` (torchcomms communicators), which
+# its own ThreadLocalWorld lacks: destroying a thread-rank's group raised AttributeError. A threaded
+# world has no such communicator.
+if not hasattr(ThreadLocalWorld, "comms"):
+    ThreadLocalWorld.comms = property(lambda self: [])
 
 
 class RankError(Exception):
@@ -21,6 +27,11 @@ class RankError(Exception):
 
 def run(world: int, fn, timeout_s: float = 120.0, raise_errors: bool = True) -> list:
     """fn(rank) on `world` thread-ranks. With raise_errors=False, a rank's exception is its result."""
+    if not torch.cuda.is_available():
+        # Where CUDA is unavailable, torch's FakeTensorMode (DTensor's sharding propagation) installs
+        # a no-op CUDA device guard at its first use; two thread-ranks doing that at once crash
+        # torch 2.11 (seen with its CUDA build on a machine without a GPU). Done here first, once.
+        torch._C._ensureCUDADeviceGuardSet()
     _install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # a group registry per thread
     store = dist.HashStore()
