@@ -673,8 +673,8 @@ def test_enable_on_a_submodule_after_the_model_names_the_group_by_its_model_path
 
 def disable_after_a_failed_step(model) -> None:
     """tide.fsdp.disable after a step that raised inside FSDP2's forward or backward: torch >= 2.13
-    resets FSDP2's state (reset_iter_state, the way out disable names); torch 2.11 has no way back,
-    so disable refuses, naming the state (the model stays TIDE's, as it stays unusable to stock)."""
+    resets FSDP2's state (reset_iter_state, the way out disable names); torch 2.11 has no way back
+    to FSDP2's idle state, so disable refuses, naming the state it is in."""
     if hasattr(model, "reset_iter_state"):
         model.reset_iter_state()
         tide.fsdp.disable(model)
