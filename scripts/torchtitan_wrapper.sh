@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# torchtitan's own CUDA-graph wrapper for a GPU machine that reaches no package registry: run this
-# where PyPI is reachable; it puts torchtitan 0.3.0 and the pure-Python packages that
-# `torchtitan.distributed.cudagraph` imports into build-titan/ (ignored by git, ~7 MB). Carry that
-# folder with the tree; the GPU gate's python stage then puts it on PYTHONPATH, so
-# tests/python/test_fsdp_cuda_graphs.py steps captured training with torchtitan's CUDAGraphWrapper
-# (which the test then requires) instead of tide.bench.captured_step.CapturedStep.
+# torchtitan's own CUDA-graph wrapper (and torchao's float8 training) for a GPU machine that
+# reaches no package registry: run this where PyPI is reachable; it puts torchtitan 0.3.0 and the
+# pure-Python packages that `torchtitan.distributed.cudagraph` imports, and torchao 0.18.0 without
+# its compiled kernels (float8 training is Python; kernels built for another torch need not load),
+# into build-titan/ (ignored by git, ~15 MB). Carry that folder with the tree; the GPU gate's python
+# stage then puts it on PYTHONPATH, so tests/python/test_fsdp_cuda_graphs.py steps captured training
+# with torchtitan's CUDAGraphWrapper (which the test then requires) instead of
+# tide.bench.captured_step.CapturedStep, and runs its float8 configuration.
 # torchtitan's other dependencies (datasets, tensorboard, ...) are not needed for that import and
 # are left out. Versions are pinned to what was checked to import on torch 2.11 and 2.13.
 #   scripts/torchtitan_wrapper.sh [folder]     (default build-titan)
@@ -15,12 +17,16 @@ PY=${PYTHON:-python3}
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 "$PY" -m pip download -q --no-deps -d "$wheels" "torchtitan==0.3.0" "spmd_types==0.2.3" \
-  "tyro==1.0.17" "docstring_parser==0.18.0"
+  "tyro==1.0.17" "docstring_parser==0.18.0" "torchao==0.18.0"
 rm -rf "$dest" && mkdir -p "$dest"
 for w in "$wheels"/*.whl; do
   "$PY" -m zipfile -e "$w" "$dest"
 done
 find "$dest" -name __pycache__ -prune -exec rm -rf {} +
+find "$dest/torchao" -name "*.so" -delete
 PYTHONPATH="$dest" "$PY" -c "from torchtitan.distributed.cudagraph import CUDAGraphWrapper" ||
   { echo "torchtitan_wrapper.sh: torchtitan's CUDA-graph wrapper does not import from $dest"; exit 1; }
-echo "torchtitan 0.3.0's CUDA-graph wrapper in $dest ($(du -sh "$dest" | cut -f1)); carry it to the GPU machine"
+PYTHONPATH="$dest" "$PY" -c "from torchao.float8 import convert_to_float8_training" ||
+  { echo "torchtitan_wrapper.sh: torchao's float8 training does not import from $dest"; exit 1; }
+echo "torchtitan 0.3.0's CUDA-graph wrapper and torchao 0.18.0's float8 training in $dest" \
+  "($(du -sh "$dest" | cut -f1)); carry it to the GPU machine"

@@ -13,11 +13,12 @@ calls the model spec's ``post_optimizer_build_fn``: the first call that sees the
 tensors, before the first step and before a checkpoint loads into those same tensors. TIDE is
 enabled there, after the hook the model spec had (MoE models register their load balancing there).
 
-torchtitan captures each GPU step in a CUDA graph unless ``training.disable_cuda_graphs`` is set.
-TIDE's collectives can be captured (CudaExecutor records them for replays), but captured training
-has not yet been checked against run-by-run training on a GPU (tests/python/test_fsdp_cuda_graphs.py
-is that check), so ``with_tide`` sets it and logs one line saying so; a user who captures anyway
-gets TIDE's captured collectives, and what a graph cannot replay raises, naming the param group.
+torchtitan captures forward + backward of each GPU step in a CUDA graph unless
+``training.disable_cuda_graphs`` is set, and TIDE's collectives are captured with it (its warm-up
+step runs them uncaptured first, as they need); captured training is bitwise run-by-run training
+(tests/python/test_fsdp_cuda_graphs.py, stepped by torchtitan's own wrapper). Groups whose
+collectives no graph can capture (across nodes, CPU offload) are named in one warning at enable,
+and the capture then raises naming the group: pass ``--training.disable_cuda_graphs`` for them.
 """
 
 from __future__ import annotations
@@ -48,13 +49,13 @@ def with_tide(config):
         for part in model_parts:
             part.tide_handle = tide.fsdp.enable(part)
             log.info("tide.torchtitan: %s; fallbacks: %s", part.tide_handle, part.tide_handle.fallbacks)
+            refusals = part.tide_handle.capture_refusals()
+            if refusals:
+                log.warning("tide.torchtitan: no CUDA graph can capture TIDE's collectives of %s: with "
+                            "captured steps (torchtitan's default on GPUs) the capture raises; pass "
+                            "--training.disable_cuda_graphs", refusals)
 
     config.model_spec = dataclasses.replace(spec, post_optimizer_build_fn=enable_tide)
-    training = getattr(config, "training", None)
-    if training is not None and getattr(training, "disable_cuda_graphs", True) is False:
-        training.disable_cuda_graphs = True
-        log.warning("tide.torchtitan: set training.disable_cuda_graphs = True: TIDE inside a captured "
-                    "step is not yet checked against run-by-run training on a GPU (steps run eagerly)")
     return config
 
 

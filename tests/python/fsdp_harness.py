@@ -236,7 +236,8 @@ def run_scenario(opts, world, device):
         "fallbacks": [reason for _, reason in handle.fallbacks],
         "pooled_windows": sum(len(p.windows) for p in handle.pools),
         "pools": len(handle.pools),
-        "wide_windows": sum(len(w.windows) for p in handle.pools for w in p.wide.values()),
+        "wide_windows": sum(len(w.windows) for p in handle.pools for w in p.sized.values()
+                            if w.window_bytes > p.window_bytes),
         "param_groups": len(handle.buckets) + len(handle.fallbacks),
         "nodes": sorted({b.layout.topology.nodes for b in handle.buckets}),
         "transports": sorted({str(p.transport) for p in handle.pools}),

@@ -143,12 +143,13 @@ def train(rank: int, world: int, device, name: str, mode: str) -> dict:
     return {"losses": [x.float().cpu() for x in losses],
             "params": [p.to_local().detach().float().cpu() for p in model.parameters()],
             "buckets": len(handle.buckets), "fallbacks": handle.fallbacks,
+            # float8 weights whose scale TIDE computes (its amax exchange) and whose cast it writes
+            "casts": sum(b.amax_exchange.count for b in handle.buckets if b.amax_exchange is not None),
             "captured_counts": captured_counts, "replay_counts": replay_counts,
             "wrapper": getattr(step, "wrapper", None)}
 
 
-def _modes(name: str) -> tuple:
-    return ("titan", "plain") if name in ("reshard_after_forward", "bf16_fp32_reduce") else ("titan",)
+MODES = ("titan", "plain")
 
 
 def train_every_config(rank: int, world: int, device) -> dict:
@@ -156,7 +157,7 @@ def train_every_config(rank: int, world: int, device) -> dict:
     ranks costs seconds each); a configuration's error is its result."""
     results = {}
     for name in CONFIGS:
-        for mode in ("eager",) + _modes(name):
+        for mode in ("eager",) + MODES:
             try:
                 if CONFIGS[name].get("float8"):
                     import torchao.float8  # noqa: F401
@@ -177,12 +178,6 @@ def runs():
     return h.run_processes(2, train_every_config, device_type="cuda")
 
 
-# The ranks share one GPU and talk over gloo: torchao's dynamic float8 scale all-reduces its amax
-# over that group inside the all-gather, which no graph can capture (over NCCL it is captured), so
-# TIDE refuses it at capture, naming the group.
-FLOAT8_OVER_GLOO = "float8 weights' dynamic scales all-reduce their amax over the 'gloo' shard group"
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_captured_steps_train_bitwise_as_run_by_run(runs, name):
     if CONFIGS[name].get("float8") and "No module named 'torchao" in str(runs[0][name, "eager"]):
@@ -190,16 +185,14 @@ def test_captured_steps_train_bitwise_as_run_by_run(runs, name):
     for rank, results in enumerate(runs):
         eager = results[name, "eager"]
         assert isinstance(eager, dict), f"{name}, run by run, rank {rank}: {eager}"
-        for mode in _modes(name):
+        for mode in MODES:
             mine, where = results[name, mode], f"{name}, {mode}, rank {rank}"
-            if CONFIGS[name].get("float8"):
-                assert isinstance(mine, str) and FLOAT8_OVER_GLOO in mine, f"{where}: {mine}"
-                assert "tide.fsdp: param group" in mine and "which a CUDA graph cannot replay" in mine, mine
-                continue
             assert isinstance(mine, dict), f"{where}: {mine}"
             if mode == "titan" and TORCHTITAN_FOUND:
                 assert mine["wrapper"] == "torchtitan", f"{where}: {mine['wrapper']}"
             assert mine["fallbacks"] == [] and mine["buckets"] == eager["buckets"] > 0, (where, mine["fallbacks"])
+            assert mine["casts"] == eager["casts"] and (mine["casts"] > 0) == bool(CONFIGS[name].get("float8")), \
+                (where, mine["casts"])
             counts = mine["captured_counts"]
             assert counts and counts["all_gathers"] > 0 and counts["reduce_scatters"] > 0, (where, counts)
             assert mine["replay_counts"] == {"all_gathers": 0, "reduce_scatters": 0}, (where, mine["replay_counts"])
@@ -209,9 +202,7 @@ def test_captured_steps_train_bitwise_as_run_by_run(runs, name):
                 assert torch.equal(a, b), f"{where}: param {k}: max diff {(a - b).abs().max()}"
 
 
-def capture_first_step(rank: int, world: int, device) -> str:
-    _, model = _build(CONFIGS["reshard_after_forward"], device)
-    tide.fsdp.enable(model, timeout_ms=60000)
+def _capture_one_step(model, device) -> str:
     x = torch.randint(0, 256, (2, 16), device=device)
     graph = torch.cuda.CUDAGraph()
     try:
@@ -222,11 +213,30 @@ def capture_first_step(rank: int, world: int, device) -> str:
     return "captured"
 
 
-def test_a_capture_before_any_step_raises_naming_the_group():
-    for rank, error in enumerate(h.run_processes(2, capture_first_step, device_type="cuda")):
-        assert "tide.fsdp: param group" in error and "its first all-gather is being captured" in error, \
-            f"rank {rank}: {error}"
-        assert "which a CUDA graph cannot replay" in error, f"rank {rank}: {error}"
+def refused_captures(rank: int, world: int, device) -> dict:
+    """A capture before any step; a capture, after an uncaptured step, of a model whose groups
+    span nodes (one rank per node: the across-node programs, over IPC here)."""
+    _, model = _build(CONFIGS["reshard_after_forward"], device)
+    tide.fsdp.enable(model, timeout_ms=60000)
+    first = _capture_one_step(model, device)
+    _, model = _build(CONFIGS["reshard_after_forward"], device)
+    handle = tide.fsdp.enable(model, timeout_ms=60000, ranks_per_node=1)
+    model(torch.randint(0, 256, (2, 16), device=device)).sum().backward()
+    torch.cuda.synchronize()
+    return {"first_step": first, "buckets": len(handle.buckets), "refusals": handle.capture_refusals(),
+            "across_nodes": _capture_one_step(model, device)}
+
+
+def test_captures_a_graph_cannot_replay_raise_naming_the_group():
+    for rank, r in enumerate(h.run_processes(2, refused_captures, device_type="cuda")):
+        assert "error" not in r, f"rank {rank}: {r}"
+        for key, what in (("first_step", "its first all-gather is being captured"),
+                          ("across_nodes", "its collectives span nodes")):
+            assert "tide.fsdp: param group" in r[key] and what in r[key], f"rank {rank}, {key}: {r[key]}"
+            assert "which a CUDA graph cannot replay" in r[key], f"rank {rank}, {key}: {r[key]}"
+        assert "--training.disable_cuda_graphs" in r["across_nodes"], r["across_nodes"]
+        assert r["buckets"] > 0 and len(r["refusals"]) == r["buckets"], f"rank {rank}: {r['refusals']}"
+        assert all("span nodes" in why for why in r["refusals"].values()), r["refusals"]
 
 
 # --- a peer that stops replaying --------------------------------------------------------------------

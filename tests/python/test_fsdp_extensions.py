@@ -613,8 +613,8 @@ def scenario_float8_cast_checked() -> dict:
     """TIDE's e4m3 bytes made with another scale than torchao's (a fault put in on purpose): the
     first all-gather's comparison with torchao's own cast must raise, on every rank."""
     from tide.fsdp import _float8
-    right = _float8.scale
-    _float8.scale = lambda fp, *capture: right(fp, *capture) * 2
+    right = _float8.scales
+    _float8.scales = lambda *args: [s * 2 for s in right(*args)]
     model = build_float8(True)
     handle = tide.fsdp.enable(model, timeout_ms=60000)
     try:
@@ -623,7 +623,7 @@ def scenario_float8_cast_checked() -> dict:
     except RuntimeError as e:
         error = str(e)
     finally:
-        _float8.scale = right
+        _float8.scales = right
     casts = _summary(handle, {})["tide_casts"]
     try:
         tide.fsdp.disable(model)
@@ -632,31 +632,34 @@ def scenario_float8_cast_checked() -> dict:
     return {"error_text": error, "tide_casts": casts}
 
 
-def scenario_float8_capture_refusals() -> dict:
-    """What a replay could not compute again of torchao's float8 scales is refused at capture
-    (_float8.scale, given the capture id a CUDA graph capture has): a dynamic scale's amax
-    all-reduced over gloo, and a precomputed scale (a new tensor every step)."""
+def scenario_float8_scales_at_capture() -> dict:
+    """torchao's float8 scales as a CUDA graph capture computes them (_float8.scales, given the
+    capture id a capture has, after one step made the amax exchange's window): a dynamic scale is
+    torchao's own (its amax max-reduced by TIDE's exchange, which a graph captures), a precomputed
+    one (a new tensor every step) is refused."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from tide.fsdp import _float8
     model = build_float8(True)
     handle = tide.fsdp.enable(model, timeout_ms=60000)
-    fp = next(fp for b in handle.buckets if b.gather is not None
-              for fp, why in zip(b.fsdp_params, b.gather.why_not_cast) if why == "")
-    errors = {}
+    train_float8(model, False)
+    bucket = next(b for b in handle.buckets if b.amax_exchange is not None)
+    fps = [fp for fp, why in zip(bucket.fsdp_params, bucket.gather.why_not_cast) if why == ""]
+    seen = {}
     for name in ("dynamic", "precomputed"):
         if name == "precomputed":
             precompute_float8_dynamic_scale_for_fsdp(model)
         try:
-            _float8.scale(fp, 1, "blocks.0")
-            errors[name] = ""
+            mine = _float8.scales(fps, 1, bucket.path,
+                                  lambda amaxes: bucket.amax_exchange(amaxes, bucket.pool, 1, bucket.path))
+            seen[name] = all(torch.equal(s, _float8.torchao_cast(fp)[1]) for fp, s in zip(fps, mine))
         except RuntimeError as e:
-            errors[name] = str(e)
+            seen[name] = str(e)
     tide.fsdp.disable(model)
-    return errors
+    return {"weights": len(fps), **seen}
 
 
 SCENARIOS = {
-    "float8_capture_refusals": (scenario_float8_capture_refusals, (2,), True),
+    "float8_scales_at_capture": (scenario_float8_scales_at_capture, (2,), True),
     "float8_dynamic": (lambda: scenario_float8(False), (2, 3), True),
     "float8_precomputed": (lambda: scenario_float8(True), (2, 3), True),
     "float8_only_groups": (lambda: scenario_float8(False, only_float8_groups=True), (2,), True),
@@ -771,15 +774,13 @@ def test_float8_cast_differing_from_torchao_raises_on_every_rank():
 
 
 @needs_torchao
-def test_float8_scales_a_replay_cannot_compute_again_are_refused_at_capture():
-    for rank, errors in enumerate(results(2)["float8_capture_refusals"]):
-        assert "error" not in errors, f"rank {rank}: {errors}"
-        assert errors["dynamic"].startswith(
-            "tide.fsdp: param group blocks.0: its float8 weights' dynamic scales all-reduce their amax "
-            "over the 'gloo' shard group"), f"rank {rank}: {errors}"
-        assert errors["precomputed"].startswith(
-            "tide.fsdp: param group blocks.0: its float8 weights use torchao's precomputed scales"), errors
-        assert all("which a CUDA graph cannot replay" in e for e in errors.values()), errors
+def test_float8_scales_at_capture_are_torchaos_or_refused_when_precomputed():
+    for rank, r in enumerate(results(2)["float8_scales_at_capture"]):
+        assert "error" not in r and r["weights"] == 2, f"rank {rank}: {r}"
+        assert r["dynamic"] is True, f"rank {rank}: TIDE's amax exchange made other scales: {r}"
+        assert r["precomputed"].startswith(
+            "tide.fsdp: param group blocks.0: its float8 weights use torchao's precomputed scales"), r
+        assert "which a CUDA graph cannot replay" in r["precomputed"], r
 
 
 @needs_torchao

@@ -1,7 +1,7 @@
 """A bucket's window lease over a real pool (host windows, ranks as threads): the all-gather keeps
 or takes back its own window without a remap, a window vacated and then handed to another bucket by
 the pool is no longer the first bucket's (neither to gather into again nor to stage in), and the
-reduce-scatter stages in the vacated window (Slot-Reuse) or a wide pool's."""
+reduce-scatter stages in the vacated window (Slot-Reuse) or a pool of wider windows."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def lease_rank(rank: int) -> dict:
     seen["b_slot_reuse"] = b.staging_window(WINDOW_BYTES, 0, "b") is second and not pool.pending
     b.release_staging(second)
     wide = a.staging_window(2 * WINDOW_BYTES, 0, "b")
-    seen["wide"] = wide in pool.wide[2 * WINDOW_BYTES].windows and wide not in pool.windows
+    seen["wide"] = wide in pool.sized[2 * WINDOW_BYTES].windows and wide not in pool.windows
     a.release_staging(wide)
     seen["windows"], seen["remaps"] = len(pool.windows), counts.remaps
     return seen

@@ -125,10 +125,11 @@ def test_torchtitan_checkpoint_resume(tmp_path, assets):
     assert resumed[0]["tide"][0]["fallbacks"] == [] and len(resumed[0]["tide"][0]["buckets"]) == 8
 
 
-def test_tide_torchtitan_wraps_any_registered_config_and_turns_captured_steps_off():
+def test_tide_torchtitan_wraps_any_registered_config_and_keeps_captured_steps():
     """What --module tide.torchtitan hands torchtitan for a config name: the registry's own config
-    with TIDE's hook after the spec's (an MoE model's load-balancing hook kept), CUDA graphs off;
-    an unknown name and an unknown torchtitan release refused with one line."""
+    with TIDE's hook after the spec's (an MoE model's load-balancing hook kept), captured steps as
+    the registry has them (torchtitan's default: on); an unknown name and an unknown torchtitan
+    release refused with one line."""
     import torchtitan
     import tide.torchtitan as tt
     from torchtitan.models.llama3 import config_registry as llama3
@@ -136,7 +137,7 @@ def test_tide_torchtitan_wraps_any_registered_config_and_turns_captured_steps_of
 
     stock = llama3.llama3_debugmodel()
     config = tt.llama3_debugmodel()  # the attribute torchtitan's ConfigManager reads
-    assert stock.training.disable_cuda_graphs is False and config.training.disable_cuda_graphs is True
+    assert stock.training.disable_cuda_graphs is False and config.training.disable_cuda_graphs is False
     assert stock.model_spec.post_optimizer_build_fn is None
     assert config.model_spec.post_optimizer_build_fn is not None
     assert (config.model_spec.name, config.model_spec.flavor) == (stock.model_spec.name, stock.model_spec.flavor)

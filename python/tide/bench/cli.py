@@ -146,11 +146,6 @@ def _fsdp(args, parser, device) -> int:
             parser.error(f"--cuda-graphs: device {device}: expected cuda (CUDA graphs need a GPU)")
         if args.plot_dir:
             parser.error("--cuda-graphs with --plot-dir: the plots compare stock FSDP2 with TIDE")
-        if args.float8 and not under_torchrun() and ranks_share_gpus(device, args.world):
-            parser.error(f"--cuda-graphs with --float8 on {args.world} ranks sharing "
-                         f"{torch.cuda.device_count()} GPU(s): torchao's float8 scales all-reduce "
-                         "their amax over gloo there, which a CUDA graph cannot capture (NCCL's can: "
-                         "one GPU per rank)")
         if args.ranks_per_node and args.ranks_per_node < args.world:
             parser.error(f"--cuda-graphs with --ranks-per-node {args.ranks_per_node} < --world "
                          f"{args.world}: programs across nodes cannot be captured")

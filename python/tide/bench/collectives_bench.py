@@ -21,6 +21,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives  # noqa: F401 
 
 import tide
 from tide.distributed import store_bootstrap
+from tide.fsdp._memory import bytes_at
 
 PARAMS_PER_BUCKET = 4
 
@@ -115,12 +116,7 @@ def _check(name, layout, window, rank, per_param, rs_out, tide_out, device) -> b
     if name == "AG":  # TIDE's gathered params, in its window, against stock's copy-out
         for p, ref in zip(layout.params, per_param):
             ptr, nbytes = window.data_ptr(rank) + p.window_offset, ref.numel() * 2
-            if device.type == "cuda":
-                from ..fsdp._bucket import DeviceBytes as _DeviceBytes
-                raw = torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
-            else:
-                import ctypes
-                raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+            raw = bytes_at(ptr, nbytes, device)
             if not torch.equal(raw.view(torch.bfloat16), ref):
                 return False
         return True

@@ -17,10 +17,12 @@ What changes for a handled FSDP2 param group ("bucket"):
 
 The modules, by role: ``_fsdp2`` (every private FSDP2 symbol: the version adapter), ``_hooks``
 (how TIDE hooks FSDP2's functions), ``_dispatch`` (TIDE's versions of them), ``_fallbacks`` (why a
-group or call stays stock), ``_bucket`` (one handled param group), ``_extension`` (a group's
-all-gather extension inputs: fsdp_pre_all_gather tensors laid out as bytes), ``_pool`` (pooled
-windows), ``_placement`` (nodes and transports),
-``_agreement`` (ranks agreeing through the store). docs/ARCHITECTURE.md has the design.
+group or call stays stock), ``_bucket`` (one handled param group), ``_window`` (a group's windows
+through a step), ``_extension`` (a group's all-gather extension inputs: fsdp_pre_all_gather
+tensors laid out as bytes), ``_float8`` (torchao's float8 weights cast by TIDE, and their amax
+exchange), ``_capture`` (CUDA graph captures), ``_pool`` (pooled windows), ``_memory`` (tensors
+over them), ``_placement`` (nodes and transports), ``_agreement`` (ranks agreeing through the
+store). docs/ARCHITECTURE.md has the design.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ class TideFSDP:
                     pooled.executor.reset_stats()
                     pooled.executor.enable_stats(enabled)
             pool.stats_enabled = enabled
-            for wide in pool.wide.values():
-                wide.stats_enabled = enabled
+            for sized in pool.sized.values():
+                sized.stats_enabled = enabled
 
     def sm_cta_us(self) -> float:
         """CUDA: SM time of TIDE's kernels since enable_sm_stats, in CTA-microseconds (CTAs x kernel
@@ -100,6 +102,12 @@ class TideFSDP:
         lowering. Synchronizes the executors. 0 on CPU."""
         return sum(pooled.executor.stats().lowerings for pool in self.pools
                    for pooled in pool.all_windows() if hasattr(pooled.executor, "stats"))
+
+    def capture_refusals(self) -> dict:
+        """CUDA: per handled group whose collectives no CUDA graph can capture, why (programs across
+        nodes, shards offloaded to the CPU); empty when a captured step can run TIDE's collectives
+        (after one uncaptured step), and on CPU."""
+        return {b.path: b.capture_refusal()[0] for b in self.buckets if b.cuda and b.capture_refusal()[0]}
 
     def __repr__(self):
         return (f"TideFSDP({len(self.buckets)} buckets handled, {len(self.fallbacks)} fallbacks, "

@@ -4,7 +4,6 @@ views of the fixed address its window lease maps windows at (_window.py), and it
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import json
 from typing import Callable, NamedTuple
@@ -18,16 +17,10 @@ from ._agreement import exchange
 from ._capture import capture_id, not_capturable
 from ._dtypes import TIDE_TO_TORCH, TORCH_TO_TIDE
 from ._extension import ExtensionGather, uses_extension
+from ._float8 import AmaxExchange
+from ._memory import bytes_at
 from ._pool import WindowPool
 from ._window import WindowLease
-
-
-class DeviceBytes:
-    """`nbytes` of device memory at `ptr`, as a __cuda_array_interface__ for a zero-copy tensor."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None, "stream": None}
 
 
 class Counts:
@@ -104,6 +97,9 @@ class Bucket:
         self.ag_program = _tide.plan_all_gather(self.gather_layout, self.rank, self.id, self.across_nodes)
         self.ag_bytes = sum(self.layout.world * p.slot_bytes for p in self.gather_layout.params)
         self.extensions = [_fsdp2.has_extension(fp) for fp in self.fsdp_params]
+        casts = sum(why == "" for why in gather.why_not_cast) if gather is not None else 0
+        self.amax_exchange = AmaxExchange(casts, self.layout.topology, self.rank, self.id, self.across_nodes) \
+            if casts else None
 
     def _follow_extensions(self) -> None:
         """Before the bucket's first all-gather: if extension methods were attached to (or taken
@@ -147,12 +143,7 @@ class Bucket:
         base = self.lease.range.ptr
         for p in self.gather_layout.params:
             nbytes = self.layout.world * p.slot_bytes
-            if self.cuda:
-                raw = torch.as_tensor(DeviceBytes(base + p.window_offset, nbytes),
-                                      device=self.pool.device)
-            else:
-                raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base + p.window_offset),
-                                       dtype=torch.uint8)
+            raw = bytes_at(base + p.window_offset, nbytes, self.pool.device)
             self.param_outputs.append(raw.view(TIDE_TO_TORCH[p.dtype]))
         self.storage = _fsdp2.UnshardedStorage(self.param_outputs)
         if self.gather is not None:
@@ -180,6 +171,8 @@ class Bucket:
     def all_gather(self, stream: torch.cuda.Stream | None = None) -> _fsdp2.AllGatherResult:
         compute = torch.cuda.current_stream(self.pool.device) if self.cuda else None
         capture = capture_id(compute) if self.cuda else 0
+        if capture:
+            self._refuse_capture()
         if capture and (not self.param_outputs or (self.gather is not None and self.gather.unchecked)):
             raise not_capturable(self.path, "its first all-gather is being captured (it lays the "
                                  "group out and checks it with the other ranks on the host)",
@@ -216,6 +209,23 @@ class Bucket:
             numels, dtypes = self.result_numels, self.result_dtypes
         return _fsdp2.all_gather_result(self.param_outputs[0], numels, dtypes, event)
 
+    def capture_refusal(self) -> tuple[str, str]:
+        """CUDA: why no CUDA graph can capture this group's collectives, whichever step it captures,
+        and what to do instead; ("", "") when a capture can (after one uncaptured step)."""
+        across_nodes = _tide.CudaExecutor.capture_refusal(self.ag_program)
+        if across_nodes:
+            return (f"its collectives span nodes ({across_nodes})",
+                    "run the steps uncaptured (torchtitan: --training.disable_cuda_graphs)")
+        if any(_fsdp2.offloaded(fp) for fp in self.fsdp_params):
+            return ("its shards are offloaded to the CPU (FSDP2's CPUOffloadPolicy), and the "
+                    "optimizer steps them on the host", "capture without CPU offload")
+        return "", ""
+
+    def _refuse_capture(self) -> None:
+        what, instead = self.capture_refusal()
+        if what:
+            raise not_capturable(self.path, what, instead)
+
     def _scales(self) -> list[int]:
         """The scales of the e4m3 casts of the shards _shards just made ([] without such casts)."""
         return self.gather.scale_pointers() if self.gather is not None else []
@@ -224,8 +234,10 @@ class Bucket:
         """What the all-gather program reads: each laid-out param's padded shard, or with all-gather
         extensions each param's all-gather inputs (_extension.py)."""
         if self.gather is not None:
-            return self.gather.shards(self.fsdp_params, lambda i, j: self._shard(
-                self.fsdp_params[i], self.gather_layout.params[j], stream, capture), capture, self.path)
+            return self.gather.shards(
+                self.fsdp_params, lambda i, j: self._shard(self.fsdp_params[i], self.gather_layout.params[j],
+                                                           stream, capture),
+                lambda amaxes: self.amax_exchange(amaxes, self.pool, capture, self.path), capture, self.path)
         return [self._shard(fp, p, stream, capture) for p, fp in zip(self.layout.params, self.laid_out)]
 
     def _shard(self, fp: _fsdp2.FSDPParam, p: _tide.ParamLayout, stream: torch.cuda.Stream | None,
@@ -245,10 +257,6 @@ class Bucket:
             raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
                                "not contiguous (FSDP2 internals changed?)")
         if stream is not None and data.device.type == "cpu" and _fsdp2.offloaded(fp):
-            if capture:
-                raise not_capturable(self.path, "its shards are offloaded to the CPU (FSDP2's "
-                                     "CPUOffloadPolicy), and the optimizer steps them on the host",
-                                     "capture without CPU offload")
             data = data.to(self.pool.device, non_blocking=data.is_pinned())
         if data.device.type != self.pool.device.type:
             raise RuntimeError(f"tide.fsdp: param group {self.path}: sharded data of {p.name} is "
@@ -337,6 +345,8 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
         # stock foreach_reduce calls this on its reduce-scatter stream
         stream = torch.cuda.current_stream(bucket.pool.device) if bucket.cuda else None
         capture = capture_id(stream) if bucket.cuda else 0
+        if capture:
+            bucket._refuse_capture()
         if op == dist.ReduceOp.AVG:
             options_key = (_tide.ReduceKind.avg, 1.0)
         elif op == dist.ReduceOp.SUM:

@@ -161,19 +161,23 @@ class ExtensionGather:
                 for fp, entries, why in zip(self.fsdp_params, self.entries, self.why_not_cast)]
 
     def shards(self, fsdp_params: list[_fsdp2.FSDPParam], plain_shard: Callable[[int, int], torch.Tensor],
-               capture: int = 0, path: str = "") -> list[torch.Tensor]:
+               reduce_amaxes: Callable[[torch.Tensor], torch.Tensor], capture: int = 0,
+               path: str = "") -> list[torch.Tensor]:
         """What the all-gather program reads, one tensor per layout param: each extension param's
         all-gather inputs (``fsdp_pre_all_gather`` runs here, as in stock FSDP2's all-gather; it
         also records the metadata FSDP2 hands ``fsdp_post_all_gather``), the high-precision shard
-        of a float8 weight TIDE casts (its scale in `self.scales`), and `plain_shard(i)` for a
-        plain param i. The inputs and scales must stay referenced until the program has read them.
-        `capture`: the CUDA graph capture this all-gather is in (0: none), of group `path`; a
-        float8 scale a replay could not compute again is refused there (_float8.scale)."""
+        of a float8 weight TIDE casts (its scale in `self.scales`, from amaxes max-reduced over
+        the ranks by `reduce_amaxes`), and `plain_shard(i)` for a plain param i. The inputs and
+        scales must stay referenced until the program has read them. `capture`: the CUDA graph
+        capture this all-gather is in (0: none), of group `path`; a float8 scale a replay could
+        not compute again is refused there (_float8.scales)."""
         shards = []
         self.scales = [None] * len(self.layout.params)
+        cast = [fp for fp, why in zip(fsdp_params, self.why_not_cast) if why == ""]
+        scales = iter(_float8.scales(cast, capture, path, reduce_amaxes) if cast else ())
         for i, (fp, entries) in enumerate(zip(fsdp_params, self.entries)):
             if self.why_not_cast[i] == "":
-                shard, scale = _float8.shard(fp), _float8.scale(fp, capture, path)
+                shard, scale = _float8.shard(fp), next(scales)
                 self._check_cast_input(fp, entries[0], shard, scale)
                 shards.append(shard)
                 self.scales[entries[0].index] = scale

@@ -63,7 +63,7 @@ class WindowPool:
         self.topology, self.transport = topology, transport  # transport: see _placement.transport_for
         self.name = name
         self.bootstrap = store_bootstrap(group, name, timeout_ms)
-        self.wide: dict = {}  # window bytes -> WindowPool, for reduce-scatters that outgrow a window
+        self.sized: dict = {}  # window bytes -> WindowPool (of_size)
         self.free: list[PooledWindow] = []
         self.windows: list[PooledWindow] = []
         # Vacated windows (their params were freed) -> the lease that vacated them: free at the
@@ -128,23 +128,25 @@ class WindowPool:
         self.pending.clear()
 
 
-    def wide_pool(self, window_bytes: int) -> "WindowPool":
-        """The pool of `window_bytes` windows for reduce-scatters whose gradients do not fit a
-        window (gradient accumulation keeps bf16 params' unsharded gradients in an fp32 reduce
-        dtype: twice the window). Same decision, same name on every rank: created together."""
-        pool = self.wide.get(window_bytes)
+    def of_size(self, window_bytes: int) -> "WindowPool":
+        """The pool of `window_bytes` windows, for programs sized otherwise than this pool's buckets:
+        reduce-scatters whose gradients do not fit a window (gradient accumulation keeps bf16
+        params' unsharded gradients in an fp32 reduce dtype: twice the window), and float8 amax
+        exchanges (_float8.AmaxExchange: a few bytes). Same decision, same name on every rank:
+        created together."""
+        pool = self.sized.get(window_bytes)
         if pool is None:
-            pool = WindowPool(self.group, window_bytes, self.timeout_ms, f"{self.name}/wide/{window_bytes}",
+            pool = WindowPool(self.group, window_bytes, self.timeout_ms, f"{self.name}/size/{window_bytes}",
                               self.device, self.topology, self.transport)
             pool.stats_enabled = self.stats_enabled
-            self.wide[window_bytes] = pool
+            self.sized[window_bytes] = pool
         return pool
 
     def all_windows(self) -> list[PooledWindow]:
-        return self.windows + [w for pool in self.wide.values() for w in pool.all_windows()]
+        return self.windows + [w for pool in self.sized.values() for w in pool.all_windows()]
 
     def total_bytes(self) -> int:
-        return len(self.windows) * self.window_bytes + sum(p.total_bytes() for p in self.wide.values())
+        return len(self.windows) * self.window_bytes + sum(p.total_bytes() for p in self.sized.values())
 
 SIZE_CLASS_RATIO = 1.25
 

@@ -112,10 +112,10 @@ class WindowLease:
     def staging_window(self, window_bytes: int, capture: int, path: str) -> PooledWindow:
         """The window the reduce-scatter stages in (`window_bytes` its program's): the one the
         all-gather vacated (Slot-Reuse), else a pool window (the params are still in use:
-        reshard_after_backward=False), or a wide pool's when the program outgrows the pool's
-        windows. `release_staging` returns it."""
+        reshard_after_backward=False), or a wider window (the pool's of_size) when the program
+        outgrows the pool's windows. `release_staging` returns it."""
         if window_bytes > self.pool.window_bytes:
-            self.staging_pool = self.pool.wide_pool(window_bytes)
+            self.staging_pool = self.pool.of_size(window_bytes)
             return self.staging_pool.acquire(capture=capture, path=path)
         self.staging_pool = self.pool
         if self.vacated and self._reclaim():
