@@ -22,8 +22,9 @@
 # Stages record their result and the sources digest in $GATE_DIR (default build-gate/), so the
 # gate can run as several invocations on the same machine; the verdict line counts a stage that has
 # not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/). In two
-# invocations of under ten minutes each on one H200: `build python+bench` (~440 s), then
+# invocations of under ten minutes each on one H200: `build python+bench` (300-440 s), then
 # `cpp sanitize verdict` (~370 s; cpp's tests outrun their 420 s bound beside python and bench).
+# A fresh machine has no records: carry $GATE_DIR with the tree (records count for their digest).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
