@@ -8,7 +8,8 @@
 #   python   pytest: the extension checks, the CUDA scenarios of tests/python/test_fsdp.py and
 #            test_fsdp_lifetime.py (ranks as processes sharing the GPU), test_fsdp_cuda_graphs.py (captured
 #            steps vs run-by-run ones; stepped by torchtitan's own CUDAGraphWrapper where
-#            scripts/torchtitan_wrapper.sh made build-titan/), test_fsdp_cuda.py (skips without 2 GPUs),
+#            scripts/torchtitan_wrapper.sh made build-titan/), test_fsdp_cuda_graphs_between.py (what
+#            users do between replays), test_fsdp_cuda.py (skips without 2 GPUs),
 #            the CLI tests
 #   bench    tide-bench fsdp with its defaults, then with --cuda-graphs (on one GPU: 2 ranks sharing it)
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
@@ -76,13 +77,14 @@ stage_cpp() {
 }
 
 stage_python() {
-  # Four pytest processes side by side: test_fsdp.py's W = 3 and W = 4 worlds each in their own (a
-  # world trains once per process, for all its tests), test_fsdp_lifetime.py in one, everything else
-  # in the first. PYTEST_SPLIT=0: one process.
+  # Five pytest processes side by side: test_fsdp.py's W = 3 and W = 4 worlds each in their own (a
+  # world trains once per process, for all its tests), test_fsdp_lifetime.py in one,
+  # test_fsdp_cuda_graphs_between.py in one, everything else in the first. PYTEST_SPLIT=0: one process.
   local select="${PYTEST_K:-cuda or extension or two_gpus}" parts=()
   if [[ ${PYTEST_SPLIT:-1} == 1 ]]; then
-    parts=("($select) and not cuda-W3 and not cuda-W4 and not test_fsdp_lifetime" "($select) and cuda-W3"
-           "($select) and cuda-W4" "($select) and test_fsdp_lifetime")
+    parts=("($select) and not cuda-W3 and not cuda-W4 and not test_fsdp_lifetime and not between"
+           "($select) and cuda-W3" "($select) and cuda-W4" "($select) and test_fsdp_lifetime"
+           "($select) and between")
   else
     parts=("$select")
   fi
@@ -106,7 +108,8 @@ from importlib.metadata import version; print('torchtitan', version('torchtitan'
     (cd /tmp && PYTHONPATH="$pythonpath" timeout "${PYTEST_TIMEOUT:-540}" "$PY" -m pytest -q -rs -p no:cacheprovider \
        "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
        "$ROOT/tests/python/test_fsdp.py" "$ROOT/tests/python/test_fsdp_lifetime.py" \
-       "$ROOT/tests/python/test_bench_cli.py" "$ROOT/tests/python/test_fsdp_cuda_graphs.py" -k "${parts[$i]}") \
+       "$ROOT/tests/python/test_bench_cli.py" "$ROOT/tests/python/test_fsdp_cuda_graphs.py" \
+       "$ROOT/tests/python/test_fsdp_cuda_graphs_between.py" -k "${parts[$i]}") \
       >"$OUT/gate_python_$i.log" 2>&1 &
     pids+=($!)
   done

@@ -294,6 +294,18 @@ class CudaExecutor final : public Executor {
   // released by the watchdog once it has timed out.
   void synchronize();
 
+  // The CUDA graphs alive now that hold collectives captured on this executor, their waits the
+  // watchdog watches, and the mark slots those take. A graph counts until it and every executable
+  // graph made from it are destroyed (CUDA then tells the executor, from a thread of its own,
+  // shortly after the last destroy); its replays write this executor's window, so the window and
+  // the executor must outlive it.
+  struct CapturedState {
+    int graphs = 0;
+    int waits = 0;
+    int slots = 0;
+  };
+  CapturedState captured_state();
+
   void enable_stats(bool enabled);
   // Waits for the streams first. Counters of a failed executor too: its error is synchronize()'s
   // and run()'s to throw (a CUDA error is thrown here).

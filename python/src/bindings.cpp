@@ -331,6 +331,10 @@ NB_MODULE(_tide, m) {
       }, "program"_a, "inputs"_a, "outputs"_a = std::vector<uintptr_t>{},
          "scales"_a = std::vector<uintptr_t>{})
       .def("synchronize", &CudaExecutor::synchronize, nb::call_guard<nb::gil_scoped_release>())
+      .def("captured_state", [](CudaExecutor& e) {
+        const CudaExecutor::CapturedState s = e.captured_state();
+        return nb::make_tuple(s.graphs, s.waits, s.slots);
+      })
       .def("enable_stats", &CudaExecutor::enable_stats)
       .def("stats", &CudaExecutor::stats, nb::call_guard<nb::gil_scoped_release>())
       .def("reset_stats", &CudaExecutor::reset_stats)

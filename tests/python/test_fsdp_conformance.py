@@ -431,18 +431,61 @@ def test_enable_and_disable_between_a_forward_and_its_backward_are_refused():
             tide.fsdp.disable(model)
         loss.backward()
         assert handle.counts()["reduce_scatters"] == 6, handle.counts()
-        with torch.no_grad():  # an eval forward: refused until the next backward, never lost
+        loss = forward(model, gen)
+        with torch.no_grad():  # an eval forward beside one whose backward is pending: refused
             forward(model, gen)
-        with pytest.raises(ValueError, match="after a torch.no_grad.. forward"):
+        with pytest.raises(ValueError, match="has run a forward whose backward has not finished"):
             tide.fsdp.disable(model)
-        if hasattr(model, "reset_iter_state"):  # the way out the message names (torch >= 2.13)
-            model.reset_iter_state()
-        else:
-            forward(model, gen).backward()
+        loss.backward()
+        with torch.no_grad():  # eval forwards alone: no backward comes, disable undoes them
+            forward(model, gen)
+            forward(model, gen)
         tide.fsdp.disable(model)
         return "ok"
 
     assert threaded_world.run(2, rank_fn) == ["ok", "ok"]
+
+
+def test_evaluation_between_steps_then_disable_trains_as_stock():
+    """Evaluation forwards (torch.no_grad, the root kept unsharded as FSDP2's default root is) and
+    an unshard() between training steps, then disable with the groups where they left them: the
+    evaluation losses and the training after disable are stock FSDP2's, bitwise (W = 2: every
+    reduction is a sum of two numbers), and TIDE ran every group's collectives before."""
+    def evaluate(model, gen):
+        tokens = torch.randint(0, h.VOCAB, (2, 8), generator=gen)
+        with torch.no_grad():
+            return F.cross_entropy(model(tokens).view(-1, h.VOCAB), tokens.roll(-1, 1).view(-1))
+
+    def run(model, handle):
+        gen = torch.Generator().manual_seed(100 + dist.get_rank())
+        # Made once, with the model sharded: one made while a group is unsharded (after an
+        # evaluation) would step the unsharded parameters, with stock FSDP2 too.
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        evals = []
+        for i in range(4):
+            if i == 2 and handle is not None:
+                model.unshard()  # every group unsharded, then disable reshards them
+                tide.fsdp.disable(model)
+            tokens = torch.randint(0, h.VOCAB, (2, 8), generator=gen)
+            F.cross_entropy(model(tokens).view(-1, h.VOCAB), tokens.roll(-1, 1).view(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+            evals += [evaluate(model, gen), evaluate(model, gen)]
+        return evals, params_of(model)
+
+    def rank_fn(rank):
+        stock = run(make(), None)
+        model = make()
+        handle = tide.fsdp.enable(model)
+        mine = run(model, handle)
+        return stock, mine, handle
+
+    for (stock_evals, stock_params), (evals, params), handle in threaded_world.run(2, rank_fn):
+        assert handle.fallbacks == [] and handle.counts()["all_gathers"] >= 2 * GROUPS, handle.counts()
+        for k, (a, b) in enumerate(zip(stock_evals, evals)):
+            assert torch.equal(a, b), f"evaluation {k}: {b} (TIDE, then stock) != {a} (stock)"
+        for k, (a, b) in enumerate(zip(stock_params, params)):
+            assert torch.equal(a, b), f"param {k}: max diff {(a - b).abs().max()}"
 
 
 def test_replicate_groups_fall_back_and_train_as_stock():

@@ -69,23 +69,30 @@ def captured_lease_rank(rank: int) -> dict:
     storage = _fsdp2.UnshardedStorage([torch.zeros(4)])
     captured = a.acquire_for_all_gather(0, "layers.0")
     a.captured_path = "layers.0"  # as the bucket marks it once the all-gather was captured
+    captured.live_graphs = lambda: 1  # as the executor reports a graph alive that captured it
     a.vacate(storage)
     b.acquire_for_all_gather(0, "layers.1")  # takes a's vacated window
     try:
         a.acquire_for_all_gather(0, "layers.0")  # a new window, which a's address would map
     except RuntimeError as e:
-        return {"error": str(e), "mapped_kept": a.mapped is captured, "new_window_free": len(pool.free) == 1,
+        seen = {"error": str(e), "mapped_kept": a.mapped is captured, "new_window_free": len(pool.free) == 1,
                 "holds": a.window}
-    return {"error": None}
+    else:
+        return {"error": None}
+    captured.live_graphs = lambda: 0  # the graph was destroyed: the address may map another window
+    seen["after_graph"] = a.acquire_for_all_gather(0, "layers.0") is not captured and a.captured_path is None
+    return seen
 
 
 def test_a_captured_group_never_maps_another_window():
-    """A graph's replays write the window its capture mapped at the group's address: a later
-    run-by-run all-gather that would map another one there raises on every rank, naming the group,
-    and gives the window it took back to the pool."""
+    """A graph's replays write the window its capture mapped at the group's address: while the
+    graph lives, a later run-by-run all-gather that would map another one there raises on every
+    rank, naming the group, and gives the window it took back to the pool; once it is destroyed,
+    the address maps another window."""
     for rank, seen in enumerate(threaded_world.run(2, captured_lease_rank)):
         assert seen["error"] and seen["error"].startswith(
             "tide.fsdp: param group layers.0: this all-gather, run by run after a CUDA graph captured "
             "the group"), (rank, seen)
         assert "would map another window at the group's address" in seen["error"], (rank, seen)
         assert seen["mapped_kept"] and seen["new_window_free"] and seen["holds"] is None, (rank, seen)
+        assert seen["after_graph"], (rank, seen)

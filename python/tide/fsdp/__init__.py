@@ -28,6 +28,7 @@ store). docs/ARCHITECTURE.md has the design.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -277,11 +278,57 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
     return result
 
 
+# How long disable waits for CUDA to report graphs destroyed just before (from a thread of its
+# own, once their last replays are done).
+GRAPH_END_WAIT_S = 2.0
+
+
+def _refuse_live_graphs(result: TideFSDP) -> None:
+    """Refuses to disable while a CUDA graph that replays the model's collectives exists: its
+    replays write the windows disable frees."""
+    pools = [p for p in result.pools if p.device.type == "cuda"]
+    if not pools or not any(p.live_graphs() for p in pools):
+        return
+    torch.cuda.synchronize(pools[0].device)
+    deadline = time.monotonic() + GRAPH_END_WAIT_S
+    while any(p.live_graphs() for p in pools) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    live = [(p, p.live_graphs()) for p in pools]
+    if any(n for _, n in live):
+        paths = [b.path for b in result.buckets if b.pool in [p for p, n in live if n]]
+        graphs = max(n for _, n in live)
+        raise ValueError(f"tide.fsdp.disable: param group {paths[0]}: {graphs} CUDA graph(s) that "
+                         "replay its collectives still exist, and their replays write the windows "
+                         "disable would free; destroy them first (del graph, or graph.reset(); "
+                         "torchtitan: cudagraph_teardown()), then disable")
+
+
+def _end_evaluation(bucket: Bucket) -> None:
+    """What an evaluation (forwards under torch.no_grad) or an unshard() left of a group, undone as
+    FSDP2's own reshard and ``reset_iter_state`` undo it: its record of forwards whose backward
+    never comes, and its unsharded parameters (views of TIDE's window, which stock FSDP2 does not
+    gather into). A group with an all-gather in flight, a forward with autograd on whose backward
+    has not run, or unreduced gradients is left as it is (disable refuses it, naming the group)."""
+    param_group = bucket.param_group
+    if not _fsdp2.is_idle(param_group) or _fsdp2.all_gather_in_flight(param_group) \
+            or _fsdp2.gradients_pending(param_group):
+        return
+    if bucket.no_grad_forwards_only():
+        _fsdp2.forget_forwards(param_group)
+    if not _fsdp2.backward_pending(param_group) and _fsdp2.is_unsharded(param_group):
+        _fsdp2.to_sharded(param_group)
+
+
 def disable(module: torch.nn.Module) -> None:
-    """Turns TIDE off for `module` (with the model sharded); FSDP2's stock path takes over."""
+    """Turns TIDE off for `module` between steps; FSDP2's stock path takes over. Groups left
+    unsharded by an evaluation (torch.no_grad forwards) or unshard() are resharded first, as
+    FSDP2 reshards them."""
     result = _enabled.get(id(module))
     if result is None:
         raise ValueError("tide.fsdp.disable: TIDE is not enabled on this module")
+    _refuse_live_graphs(result)
+    for b in result.buckets:
+        _end_evaluation(b)
     for b in result.buckets:
         state = _fsdp2.state_fallback_reason(b.param_group)
         if state:

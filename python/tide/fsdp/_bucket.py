@@ -86,6 +86,10 @@ class Bucket:
         self.param_outputs: list[torch.Tensor] = []  # per layout param: its view of the fixed address
         self.all_gather_outputs: list[torch.Tensor] = []  # per FSDP param, what FSDP2 builds it from
         self.storage: _fsdp2.UnshardedStorage | None = None  # the outputs' storages, freed at reshard
+        # Whether a forward with autograd on ran since FSDP2 last cleared its record of forwards
+        # (at the end of a backward): if none did, the record is of no_grad forwards (evaluation),
+        # whose backward never comes, and disable may clear it (no_grad_forwards_only).
+        self.grad_forward = False
 
     def _set_gather(self, gather: ExtensionGather | None) -> None:
         """The all-gather's layout and program: the params' own layout, or with all-gather
@@ -167,6 +171,34 @@ class Bucket:
         if _fsdp2.uses_post_forward_mesh(self.param_group):
             raise ValueError(f"tide.fsdp: param group {self.path}: reshard_after_forward became an int "
                              "after tide.fsdp.enable; set it before enable (the group then stays stock)")
+
+    def before_unshard(self) -> None:
+        """Where FSDP2 unshards the group (a forward, a prefetch, a user's unshard()), before it
+        checks whether the group is unsharded already.
+
+        A CUDA graph that captured the group's collectives writes its window at every replay
+        (the all-gather, then other collectives staging there), and a replay runs no Python: FSDP2
+        still believes the parameters an uncaptured forward left unsharded (reshard_after_forward
+        False, an eval forward, unshard()) are current. So once the group was captured, and
+        during a capture (whose graph must hold the all-gather its parameters are read from),
+        an unsharded group outside its backward is resharded here, and FSDP2's unshard gathers
+        the current shards anew. In its backward the group is unsharded by its own forward, of
+        the same step."""
+        param_group = self.param_group
+        if _fsdp2.in_forward(param_group):
+            if not _fsdp2.backward_pending(param_group):
+                self.grad_forward = False
+            self.grad_forward = self.grad_forward or torch.is_grad_enabled()
+        if not self.cuda or _fsdp2.in_pre_backward(param_group) or not _fsdp2.is_unsharded(param_group) \
+                or _fsdp2.all_gather_in_flight(param_group):
+            return
+        if self.lease.captured_path is not None or capture_id(torch.cuda.current_stream(self.pool.device)):
+            _fsdp2.to_sharded(param_group)
+
+    def no_grad_forwards_only(self) -> bool:
+        """Whether every forward FSDP2 recorded since the group's last backward ran under
+        torch.no_grad (evaluation): no backward will come for them."""
+        return _fsdp2.backward_pending(self.param_group) and not self.grad_forward
 
     def all_gather(self, stream: torch.cuda.Stream | None = None) -> _fsdp2.AllGatherResult:
         compute = torch.cuda.current_stream(self.pool.device) if self.cuda else None

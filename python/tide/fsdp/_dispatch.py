@@ -128,10 +128,20 @@ def free_unsharded_param(self: _fsdp2.FSDPParam) -> None:
     return None
 
 
+def unshard(self: _fsdp2.FSDPParamGroup, *args: object, **kwargs: object) -> None:
+    """FSDP2's unshard, after TIDE decided whether the unsharded parameters FSDP2 holds can be
+    trusted (Bucket.before_unshard)."""
+    bucket = _bucket_of(self.fsdp_params)
+    if bucket is not None:
+        bucket.before_unshard()
+    return _hooks.stock("unshard")(self, *args, **kwargs)
+
+
 REPLACEMENTS = {
     "foreach_all_gather": foreach_all_gather,
     "foreach_all_gather_copy_out": foreach_all_gather_copy_out,
     "foreach_reduce": foreach_reduce,
     "foreach_reduce_scatter_copy_in": foreach_reduce_scatter_copy_in,
     "free_unsharded_param": free_unsharded_param,
+    "unshard": unshard,
 }

@@ -46,6 +46,7 @@ HOOK_TARGETS = {
     "foreach_reduce": (group_module, "foreach_reduce"),
     "foreach_reduce_scatter_copy_in": (collectives, "foreach_reduce_scatter_copy_in"),
     "free_unsharded_param": (param_module.FSDPParam, "free_unsharded_param"),
+    "unshard": (group_module.FSDPParamGroup, "unshard"),
 }
 # The parameters TIDE's dispatchers read from each hooked call, by name (_hooks.Call).
 READ_PARAMETERS = {
@@ -59,7 +60,8 @@ def hook_locations(name: str) -> list:
     """(owner, attribute) pairs where FSDP2 keeps the function `name`: where it calls it from and
     where it is defined (other code may have rebound either)."""
     owner, attr = HOOK_TARGETS[name]
-    defined = param_module.FSDPParam if name == "free_unsharded_param" else collectives
+    defined = {"free_unsharded_param": param_module.FSDPParam,
+               "unshard": group_module.FSDPParamGroup}.get(name, collectives)
     return [(owner, attr), (defined, attr)]
 
 
@@ -71,6 +73,7 @@ SOURCE_FILES = {
     "foreach_reduce": collectives.__file__,
     "foreach_reduce_scatter_copy_in": collectives.__file__,
     "free_unsharded_param": param_module.__file__,
+    "unshard": group_module.__file__,
 }
 
 
@@ -149,6 +152,37 @@ def state_fallback_reason(param_group) -> str:
         return ("holds unsharded gradients not yet reduced (set_requires_gradient_sync(False) "
                 "micro-batches): enable or disable TIDE after the micro-batch that reduces them")
     return ""
+
+
+def is_idle(param_group) -> bool:
+    """Whether the group is between steps (FSDP2 runs none of its forward or backward)."""
+    return getattr(param_group, "_training_state", TrainingState.IDLE) == TrainingState.IDLE
+
+
+def in_forward(param_group) -> bool:
+    """Whether FSDP2 runs the group's forward (its pre-forward unshard, or a forward prefetch)."""
+    return getattr(param_group, "_training_state", TrainingState.IDLE) == TrainingState.FORWARD
+
+
+def in_pre_backward(param_group) -> bool:
+    return getattr(param_group, "_training_state", TrainingState.IDLE) == TrainingState.PRE_BACKWARD
+
+
+def is_unsharded(param_group) -> bool:
+    """Whether FSDP2 holds the group's unsharded parameters (its unshard() then does nothing)."""
+    return all(fp.sharded_state == ShardedState.UNSHARDED for fp in param_group.fsdp_params)
+
+
+def to_sharded(param_group) -> None:
+    """FSDP2's own reshard of the group, whatever reshard_after_forward says: it frees the
+    unsharded parameters (free_unsharded_param, per param) and marks the group sharded."""
+    param_group._to_sharded()
+
+
+def forget_forwards(param_group) -> None:
+    """Drops FSDP2's record of the group's forwards since its last backward (what
+    ``reset_iter_state`` clears): for forwards under torch.no_grad, whose backward never comes."""
+    param_group._post_forward_indices.clear()
 
 
 def backward_pending(param_group) -> bool:

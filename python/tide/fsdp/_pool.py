@@ -36,6 +36,11 @@ class PooledWindow:
             prepared = self.prepared[program] = self.executor.prepare(program)
         self.executor.run(prepared, inputs, outputs, scales)
 
+    def live_graphs(self) -> int:
+        """CUDA graphs alive now that replay collectives on this window (0 on CPU): CUDA tells
+        the executor when one is destroyed (shortly after, from a thread of its own)."""
+        return self.executor.captured_state()[0] if hasattr(self.executor, "captured_state") else 0
+
     def set_ready(self, event: torch.cuda.Event, capture: int) -> None:
         self.ready, self.ready_capture = event, capture
 
@@ -141,6 +146,10 @@ class WindowPool:
             pool.stats_enabled = self.stats_enabled
             self.sized[window_bytes] = pool
         return pool
+
+    def live_graphs(self) -> int:
+        """CUDA graphs alive now that replay collectives on this pool's windows (0 on CPU)."""
+        return sum(w.live_graphs() for w in self.all_windows())
 
     def all_windows(self) -> list[PooledWindow]:
         return self.windows + [w for pool in self.sized.values() for w in pool.all_windows()]

@@ -72,16 +72,18 @@ class WindowLease:
             # Still mapped here since this lease last held it (windows map at several addresses
             # at once): no remap, so no host wait; the window's `ready` event orders its reuse.
             return
+        if self.captured_path is not None and self.mapped is not None and self.mapped.live_graphs() == 0:
+            self.captured_path = None  # the graphs that wrote the window mapped here are gone
         if self.captured_path is not None:
             # A graph's replays write the window captured, and its parameters read this address:
             # mapping another window here would hand them stale bytes.
             raise RuntimeError(
                 f"tide.fsdp: param group {self.captured_path}: this all-gather, run by run after a "
-                "CUDA graph captured the group (or a capture began to: one that failed leaves the "
-                "mark too), would map another window at the group's address, which the graph's "
-                "replays do not follow; run the steps between replays as the captured step runs "
-                "them (the same groups, in the same order), or drop the graph, tide.fsdp.disable "
-                "the model, enable it again and capture anew")
+                "CUDA graph captured the group, would map another window at the group's address, "
+                "which the graph's replays do not follow: more groups are unsharded at once than "
+                "the captured step holds (unshard(), reshard_after_forward=False between replays); "
+                "reshard() the others first, or destroy the graph (then this group's address is "
+                "free to map another window)")
         self.counts.remaps += 1
         self.mapped = None  # until the new mapping is in place
         if self.cuda and self.freed is not None:

@@ -63,9 +63,10 @@ PendingWait CudaExecutor::Impl::new_wait(PendingWait::Kind kind, cudaStream_t on
   {
     std::lock_guard<std::mutex> lock(mutex);
     record.slot = marks->slot_of(on, captured);
+    if (captured) hold_captured_slot(record.slot);
   }
   record.kind = kind, record.epoch = epoch, record.tag = tag, record.peer = peer;
-  record.phase = phase, record.captured = captured;
+  record.phase = phase, record.captured = captured, record.graph = captured ? capture : 0;
   return record;
 }
 

@@ -118,6 +118,7 @@ struct PendingWait {
   // Captured in a CUDA graph: its marks are replayed (WaitMarks::slot_of), its flags carry
   // kCapturedEpoch, and a timeout ends the process (watchdog.cpp).
   bool captured = false;
+  uint64_t graph = 0;  // captured: the id of the capture that recorded it (captured_graphs.cpp)
   int peer = -1;                   // kNccl / kMailbox
   Phase phase = Phase::kPush;      // kNccl / kMailbox
   std::string what;  // kNccl: the group's peers; kMailbox: the transfer, for messages
@@ -127,6 +128,21 @@ struct PendingWait {
   uint64_t seq = 0;                    // kMailbox receive: the send number it waits for (else 0)
   uint64_t* offset = nullptr;          // kMailbox receive: its entry's offset, poisoned on release
   std::size_t bytes = 0;               // kMailbox receive: its bytes
+};
+
+// The ends of CUDA graphs that hold an executor's captured waits, posted by CUDA's thread (a user
+// object's destructor: no CUDA call, only this lock) and taken by the executor (captured_graphs.cpp).
+// Shared: a graph may end after its executor.
+class GraphEnds {
+ public:
+  void post(uint64_t capture);
+  std::vector<uint64_t> take();
+  bool any() const { return any_.load(std::memory_order_acquire); }
+
+ private:
+  std::mutex mutex_;
+  std::vector<uint64_t> ended_;
+  std::atomic<bool> any_{false};
 };
 
 enum class KernelKind : uint8_t { kCast, kReduce, kCopy, kNetPull, kCastToPeers };
@@ -217,6 +233,14 @@ struct CudaExecutor::Impl {
     cuda_executor_detail::Clock::time_point since;
   };
   std::vector<CapturedSlot> captured_slots;
+  // The graphs that hold them (captured_graphs.cpp): per capture, the mark slots it holds.
+  struct LiveGraph {
+    uint64_t capture;
+    std::vector<int> slots;
+  };
+  std::vector<LiveGraph> graphs;
+  std::shared_ptr<cuda_executor_detail::GraphEnds> graph_ends =
+      std::make_shared<cuda_executor_detail::GraphEnds>();
   std::vector<cudaEvent_t> free_events;
   std::optional<cuda_executor_detail::WaitMarks> marks;  // made once the device is checked
   bool stop = false;
@@ -274,6 +298,17 @@ struct CudaExecutor::Impl {
   // names), before anything moves.
   bool check_capture(const Program& program);
   bool capturing = false;  // the run being enqueued is captured (kCapturedEpoch, no copy batches)
+  uint64_t capture = 0;    // while capturing: the capture's id
+
+  // ---- CUDA graphs holding captured waits (captured_graphs.cpp). ----
+  // At a captured run, before its waits: the capture's id in `capture`, and the graph's end tied
+  // to this executor (once per capture).
+  void adopt_capture();
+  // A captured wait of `capture` on `slot`: the graph holds the slot until it ends (caller holds
+  // `mutex`).
+  void hold_captured_slot(int slot);
+  // Drops the waits and slots of graphs that ended (caller holds `mutex`).
+  void forget_ended_graphs();
   void lower(const Program& program, const Bindings& bindings, PreparedProgram::Lowered& out);
   void enqueue_program(const Program& program, const Bindings& bindings,
                        const PreparedProgram::Lowered& lowered, uint64_t epoch, uint64_t tag);

@@ -89,6 +89,7 @@ void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
       lowered.valid = true;
       ++stats.lowerings;
     }
+    if (captured) adopt_capture();
     capturing = captured;
     enqueue_program(program, bindings, lowered, captured ? kCapturedEpoch : epoch, program.tag());
     capturing = false;

@@ -77,7 +77,6 @@ int WaitMarks::slot_of(cudaStream_t s, bool captured) {
                                      " streams at once, the most the watchdog watches; "
                                      "synchronize() before running on another stream"));
   streams_[free] = s, used_[free] = true, captured_[free] = captured;
-  if (captured) ++pending_[free];  // held for good: a replay may write it at any time
   return free;
 }
 

@@ -44,8 +44,8 @@ class WaitMarks {
   // count its pending waits: all under the executor's mutex.
   // `captured`: the slot of the waits captured in CUDA graphs on `s`, apart from its run-by-run
   // waits. A replay writes the ids fixed at capture again and again, so these marks do not grow:
-  // the slot is held for good (a graph may be replayed at any time) and the watchdog reads it as
-  // "reached != passed" (watchdog.cpp).
+  // each graph that holds such waits holds the slot until it ends (captured_graphs.cpp), and the
+  // watchdog reads it as "reached != passed" (watchdog.cpp).
   int slot_of(cudaStream_t s, bool captured = false);
   void hold(int slot) { ++pending_[slot]; }
   void release(int slot) { --pending_[slot]; }

@@ -10,7 +10,8 @@
 // Network waits are diagnosed and released by their transport (nccl_transport.cpp: abort the
 // communicator; ipc_transport.cpp: write the awaited mailbox words).
 // Waits captured in CUDA graphs are watched apart (watch_captured): replays write their marks
-// again and again, and a stuck one ends the process with its diagnosis.
+// again and again, and a stuck one ends the process with its diagnosis. They are dropped when
+// their graph ends (captured_graphs.cpp).
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -26,7 +27,7 @@ using namespace cuda_executor_detail;
 namespace {
 // Idle polls (1 ms each) before the watchdog sleeps until watch() wakes it.
 constexpr int kWatchdogIdlePolls = 100;
-// With collectives captured in CUDA graphs the watchdog never sleeps: replays call nothing.
+// While a CUDA graph holds captured waits the watchdog polls and never sleeps: replays call nothing.
 constexpr int kCapturedPollMs = 5;
 }  // namespace
 
@@ -162,6 +163,7 @@ void CudaExecutor::Impl::watchdog_loop() {
         pending.clear();
         return;
       }
+      forget_ended_graphs();
       if (!captured_slots.empty()) {
         lock.unlock();
         watch_captured();

@@ -1,0 +1,113 @@
+// The CUDA graphs that hold an executor's captured waits, and what their end releases. A captured
+// run ties its graph's life to the executor: a CUDA user object, retained by the graph being
+// captured, whose destructor CUDA calls once the graph and every executable graph made from it are
+// destroyed. The destructor runs on a thread of CUDA's and may call no CUDA function, so it only
+// posts the capture's id to GraphEnds; the watchdog (and live_graphs()) then drops the graph's
+// wait records and gives back its mark slots, and with no graph left the watchdog sleeps again.
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "cuda_executor_impl.hpp"
+#include "tide/error.hpp"
+
+namespace tide {
+
+using namespace cuda_executor_detail;
+
+namespace cuda_executor_detail {
+
+void GraphEnds::post(uint64_t capture) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ended_.push_back(capture);
+  any_.store(true, std::memory_order_release);
+}
+
+std::vector<uint64_t> GraphEnds::take() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  any_.store(false, std::memory_order_relaxed);
+  return std::exchange(ended_, {});
+}
+
+namespace {
+
+// What a graph's user object carries: where to post its end, and which capture it was.
+struct GraphEnd {
+  std::shared_ptr<GraphEnds> ends;
+  uint64_t capture;
+  static void destroy(void* self) {
+    auto* end = static_cast<GraphEnd*>(self);
+    end->ends->post(end->capture);
+    delete end;
+  }
+};
+
+}  // namespace
+}  // namespace cuda_executor_detail
+
+void CudaExecutor::Impl::adopt_capture() {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  cudaGraph_t graph = nullptr;
+  TIDE_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id, &graph));
+  capture = id;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (std::any_of(graphs.begin(), graphs.end(), [&](const LiveGraph& g) { return g.capture == id; }))
+      return;
+  }
+  auto* end = new GraphEnd{graph_ends, id};
+  cudaUserObject_t object = nullptr;
+  const cudaError_t created =
+      cudaUserObjectCreate(&object, end, &GraphEnd::destroy, 1, cudaUserObjectNoDestructorSync);
+  if (created != cudaSuccess) delete end;
+  TIDE_CUDA_CHECK(created);
+  // The graph takes the one reference: the object ends with the graph (and its executable graphs).
+  TIDE_CUDA_CHECK(cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove));
+  std::lock_guard<std::mutex> lock(mutex);
+  graphs.push_back({id, {}});
+}
+
+void CudaExecutor::Impl::hold_captured_slot(int slot) {
+  for (LiveGraph& g : graphs) {
+    if (g.capture != capture) continue;
+    if (std::find(g.slots.begin(), g.slots.end(), slot) == g.slots.end()) {
+      g.slots.push_back(slot);
+      marks->hold(slot);  // a replay of this graph may write the slot's marks at any time
+    }
+    return;
+  }
+}
+
+void CudaExecutor::Impl::forget_ended_graphs() {
+  if (!graph_ends->any()) return;
+  for (const uint64_t ended : graph_ends->take()) {
+    const auto g = std::find_if(graphs.begin(), graphs.end(),
+                                [&](const LiveGraph& live) { return live.capture == ended; });
+    if (g == graphs.end()) continue;
+    for (const int slot : g->slots) marks->release(slot);
+    graphs.erase(g);
+    captured.erase(std::remove_if(captured.begin(), captured.end(),
+                                  [&](const PendingWait& w) { return w.graph == ended; }),
+                   captured.end());
+  }
+  captured_slots.erase(
+      std::remove_if(captured_slots.begin(), captured_slots.end(),
+                     [&](const CapturedSlot& c) {
+                       return std::none_of(captured.begin(), captured.end(),
+                                           [&](const PendingWait& w) { return w.slot == c.slot; });
+                     }),
+      captured_slots.end());
+}
+
+CudaExecutor::CapturedState CudaExecutor::captured_state() {
+  Impl& d = *impl_;
+  std::lock_guard<std::mutex> lock(d.mutex);
+  d.forget_ended_graphs();
+  return {static_cast<int>(d.graphs.size()), static_cast<int>(d.captured.size()),
+          static_cast<int>(d.captured_slots.size())};
+}
+
+}  // namespace tide
