@@ -92,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
                         "reduce-scatters send nothing and give each sharded param a zero gradient, so "
                         "the optimizer still steps every param). Its step time is the model's compute, "
                         "FSDP2's hooks and the optimizer: a mode's step time minus it is the "
-                        "communication that mode leaves exposed. Stepped as the compared modes are "
-                        "(captured with --cuda-graphs). Its memory and final params compare with nothing")
+                        "communication that mode leaves exposed. With --cuda-graphs its steps are captured "
+                        "too, and only TIDE's captured steps compare with it. Its memory and final "
+                        "params compare with nothing")
     f.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (step-time breakdown, memory) here")
     f.add_argument("--no-progress", action="store_true")
 
