@@ -1,5 +1,6 @@
-"""tide-bench: clear argument errors; a short CPU run whose JSON has every field and whose plots exist;
-the MoE and DiT models, TIDE vs stock, with experts sharded on dim 0 and on dim 1."""
+"""tide-bench: clear argument errors; a short CPU run whose JSON has every field and whose plots exist
+(and its compute-only reference); the MoE and DiT models, TIDE vs stock, with experts sharded on dim
+0 and on dim 1; the compute-only reference's collectives move nothing."""
 
 import dataclasses
 import json
@@ -24,6 +25,8 @@ from tide.bench.model import PRESETS, MoE
     (["fsdp", "--model", "qwen3-moe-tiny", "--expert-shard-dim", "1", "--world", "3"],
      "dim 64 is not divisible by --world 3"),
     (["fsdp", "--device", "cpu", "--cuda-graphs"], "--cuda-graphs: device cpu: expected cuda"),
+    (["fsdp", "--device", "cpu", "--model", "tiny", "--world", "2", "--float8", "--compute-only"],
+     "--compute-only with --float8"),
     (["collectives", "--min-bytes", "100", "--max-bytes", "10"], "--min-bytes 100 > --max-bytes 10"),
     (["interference", "--device", "cpu"], "interference needs a CUDA GPU"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -225,3 +228,41 @@ def test_fsdp_cpu_float8_groups_gather_fp8_in_place_and_bitwise(tmp_path, capsys
     assert 0 < t["tide_gather_bytes"] < t["tide_param_bytes"], t
     assert data["stock"]["layout_copy_mib"] > 0 and t["layout_copy_mib"] == 0
     assert data["max_abs_diff"] == 0.0
+
+
+def test_fsdp_cpu_compute_only_reference_has_its_column(tmp_path, capsys):
+    """--compute-only: a third column with the reference's step time and time in collectives, and
+    each mode's step less the reference's; of FSDP2's layout copies the reference ran only its
+    first all-gathers' (stock: every all-gather's and reduce-scatter's, TIDE: none)."""
+    data = _fsdp_json(tmp_path, "--model", "tiny", "--layers", "1", "--compute-only")
+    text = capsys.readouterr().out
+    step_row = next(line for line in text.splitlines() if line.startswith("step time (ms)"))
+    stock, tide, _, reference = step_row.split()[3:]
+    assert [stock, tide, reference] == [f"{data[m]['step_ms']:.2f}" for m in ("stock", "tide", "compute_only")]
+    assert "communication exposed per step (step time - compute-only step time): stock " in text
+    reference = data["compute_only"]
+    assert reference["step_ms"] > 0 and reference["tide_buckets"] == 0
+    assert 0 < reference["layout_copy_mib"] < data["stock"]["layout_copy_mib"], reference
+    assert data["max_abs_diff"] == 0.0  # still TIDE against stock
+
+
+def _compute_only_rank(rank, world):
+    """The compute-only reference and stock FSDP2 on one rank, and the rank's param shards as built."""
+    from tide.bench import fsdp_bench
+    cfg = dataclasses.replace(PRESETS["tiny"], layers=1)
+    built = [p.to_local().detach().clone() for p in fsdp_bench._build(cfg, "cpu", "fp32", world).parameters()]
+    opts = {"device": "cpu", "mp": "fp32", "steps": 2, "warmup": 0, "batch": 2, "seq": 16, "progress": False}
+    return built, {mode: fsdp_bench.run_mode(rank, world, mode, cfg, opts) for mode in ("stock", "compute-only")}
+
+
+def test_compute_only_collectives_move_nothing():
+    """--compute-only's steps: every gradient the optimizer sees is zero (no reduce-scatter reached
+    the shards: the params end as built, where stock's trained), and of FSDP2's layout copies only
+    the first all-gathers' ran (the forward's, which materialise the unsharded params)."""
+    from tide.bench.launch import run_ranks
+
+    for built, runs in run_ranks(2, "cpu", _compute_only_rank):
+        stock, reference = runs["stock"], runs["compute-only"]
+        assert all(torch.equal(a, b) for a, b in zip(built, reference["params"]))
+        assert not all(torch.equal(a, b) for a, b in zip(built, stock["params"]))
+        assert 0 < reference["layout_copy_bytes"] < stock["layout_copy_bytes"], (reference, stock)

@@ -85,6 +85,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="compare TIDE run by run with TIDE inside captured steps (forward + backward "
                         "in a CUDA graph, replayed, as torchtitan steps on GPUs) instead of stock FSDP2 "
                         "with TIDE")
+    f.add_argument("--compute-only", action="store_true",
+                   help="also run a compute-only reference: stock FSDP2's same steps with collectives "
+                        "that move nothing (each group's first all-gather is real and its unsharded "
+                        "params then stay allocated; later all-gathers copy and send nothing; "
+                        "reduce-scatters send nothing and give each sharded param a zero gradient, so "
+                        "the optimizer still steps every param). Its step time is the model's compute, "
+                        "FSDP2's hooks and the optimizer: a mode's step time minus it is the "
+                        "communication that mode leaves exposed. With --cuda-graphs its steps are captured "
+                        "too, and only TIDE's captured steps compare with it. Its memory and final "
+                        "params compare with nothing")
     f.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (step-time breakdown, memory) here")
     f.add_argument("--no-progress", action="store_true")
 
@@ -153,6 +163,9 @@ def _fsdp(args, parser, device) -> int:
             cfg = dataclasses.replace(cfg, capturable=True)
     if args.float8:
         _check_float8(args, parser, model_name, cfg)
+        if args.compute_only:  # torchao's pre-all-gather hook computes the fp8 weight and its scale
+            parser.error("--compute-only with --float8: float8 weights are cast and scaled in FSDP2's "
+                         "all-gather, which the compute-only reference does not run")
     if not under_torchrun():
         _refuse_fallback_configuration(args, parser, device)
     _require_matplotlib(args, parser)
@@ -166,6 +179,8 @@ def _fsdp(args, parser, device) -> int:
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
           f"mp {mp}, {args.world} ranks", file=sys.stderr)
     modes = ("tide", "tide-captured") if args.cuda_graphs else ("stock", "tide")
+    if args.compute_only:
+        modes += ("compute-only",)
     runs = {mode: _launch(args, device, run_mode, mode, cfg, opts) for mode in modes}
     if runs[modes[0]] is None:  # a torchrun rank other than 0
         return 0
@@ -197,8 +212,8 @@ def _fsdp(args, parser, device) -> int:
                "mp": mp, "float8": args.float8, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
                "ranks_per_node": args.ranks_per_node, "transport": args.transport,
                "chunk_mib": args.chunk_mib, "wire_dtype": args.wire_dtype,
-               "max_abs_diff": compare(*runs.values()), "torch": torch.__version__}
-    for mode in modes:  # "stock", "tide", "tide_captured"
+               "max_abs_diff": compare(runs[modes[0]], runs[modes[1]]), "torch": torch.__version__}
+    for mode in modes:  # "stock", "tide", "tide_captured", "compute_only"
         summary[mode.replace("-", "_")] = merged(runs[mode])
     print(report.fsdp_graphs_table(summary) if args.cuda_graphs else report.fsdp_table(summary))
     if args.float8 and not args.cuda_graphs:

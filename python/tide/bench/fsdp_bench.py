@@ -10,6 +10,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as _collectives
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _group_mod
@@ -135,6 +136,63 @@ def _in_place_gloo_reduce_scatter():
         cls.__call__ = saved
 
 
+def _materialized(fsdp_params) -> bool:
+    """Whether every param of a group holds its unsharded storage (after its first all-gather)."""
+    return all(p.all_gather_outputs and all(t.untyped_storage().size() for t in p.all_gather_outputs)
+               for p in fsdp_params)
+
+
+@contextlib.contextmanager
+def _collectives_moving_nothing():
+    """The compute-only reference (--compute-only): stock FSDP2's training steps with collectives
+    that move nothing. A param group's first all-gather is real and its unsharded params then stay
+    allocated (resharding frees nothing), so every later forward and backward computes on those
+    values; every later all-gather does nothing (no copy-in, no collective, no copy-out), and every
+    reduce-scatter does nothing but give each sharded param a zero gradient of its shard's shape
+    (where it has none), so the optimizer steps every param as in the other modes. The step then
+    holds the model's compute, FSDP2's hooks and the optimizer, and no communication: its peak
+    memory (every unsharded param resident) and its final params (zero gradients) compare with
+    nothing."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    gather, copy_out, reduce = (_group_mod.foreach_all_gather, _group_mod.foreach_all_gather_copy_out,
+                                _group_mod.foreach_reduce)
+    free = FSDPParam.free_unsharded_param
+    nothing_gathered = _collectives.AllGatherResult(None, None, None, [], [], [])
+
+    def all_gather(fsdp_params, *args, **kwargs):
+        if not _materialized(fsdp_params):
+            return gather(fsdp_params, *args, **kwargs)
+        return nothing_gathered
+
+    def all_gather_copy_out(result, *args, **kwargs):
+        if result is not nothing_gathered:
+            copy_out(result, *args, **kwargs)
+
+    def reduce_scatter(fsdp_params, *args, **kwargs):
+        device = fsdp_params[0].sharded_param.device
+        for p in fsdp_params:
+            if p.sharded_param.grad is None:
+                p.sharded_param.grad = p.to_sharded_dtensor(
+                    torch.zeros(p.sharded_size, dtype=p.sharded_param.dtype, device=device))
+        # What FSDP2's post_backward and finalize_backward expect: nothing to keep alive, and a
+        # stream and an event for the optimizer's stream to wait on: the current stream's own (the
+        # zeros were written there), so that a captured step records the event inside its graph.
+        stream = _get_device_handle(device.type).current_stream()
+        return None, None, stream, stream.record_event(), None, None, None
+
+    _group_mod.foreach_all_gather = all_gather
+    _group_mod.foreach_all_gather_copy_out = all_gather_copy_out
+    _group_mod.foreach_reduce = reduce_scatter
+    FSDPParam.free_unsharded_param = lambda self: None
+    try:
+        yield
+    finally:
+        _group_mod.foreach_all_gather, _group_mod.foreach_all_gather_copy_out = gather, copy_out
+        _group_mod.foreach_reduce = reduce
+        FSDPParam.free_unsharded_param = free
+
+
 class PssSampler:
     """CPU: this process's peak proportional set size, sampled from /proc/self/smaps_rollup every
     `interval` s on a thread. Peak RSS counts every shared-memory page this rank touched in full,
@@ -217,13 +275,15 @@ def _progress(label: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-MODES = ("stock", "tide", "tide-captured")
+MODES = ("stock", "tide", "tide-captured", "compute-only")
 
 
 def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
     """One rank's run of one mode of `cfg` (a model config from model.py): "stock" FSDP2, "tide"
-    run by run, or "tide-captured" (forward + backward captured in a CUDA graph and replayed, as
-    torchtitan steps it; the optimizer outside)."""
+    run by run, "tide-captured" (forward + backward captured in a CUDA graph and replayed, as
+    torchtitan steps it; the optimizer outside), or "compute-only" (stock FSDP2 with collectives
+    that move nothing, see _collectives_moving_nothing; captured as "tide-captured" is when
+    opts["cuda_graphs"])."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     device = opts["device"]
@@ -232,6 +292,8 @@ def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
         pss = stack.enter_context(PssSampler()) if device == "cpu" else None
         if shared_gpus:  # stock's groups; under TIDE, the groups that fall back (TIDE's own never use it)
             stack.enter_context(_in_place_gloo_reduce_scatter())
+        if mode == "compute-only":
+            stack.enter_context(_collectives_moving_nothing())
         result = _train(rank, mode, cfg, device, world, opts)
     result["peak_pss_mib"] = pss.peak_kib / 1024 if pss is not None and pss.peak_kib else None
     result["ranks_share_gpus"] = shared_gpus
@@ -241,10 +303,10 @@ def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
 def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> dict:
     # --float8: stock trains with fp8 all-gather off (the reference: gloo has no fp8), TIDE with it on.
     fp8_all_gather = (mode != "stock") if opts.get("float8") else None
-    captured = mode == "tide-captured"
+    captured = mode == "tide-captured" or (mode == "compute-only" and opts.get("cuda_graphs"))
     model = _build(cfg, device, opts["mp"], world, opts.get("expert_shard_dim", 0), fp8_all_gather)
     handle = None
-    if mode != "stock":
+    if mode.startswith("tide"):
         import tide.fsdp
         kwargs = {}
         if opts.get("ranks_per_node"):

@@ -8,7 +8,7 @@ import statistics
 
 
 def fsdp_table(summary: dict) -> str:
-    s, t = summary["stock"], summary["tide"]
+    s, t, c = summary["stock"], summary["tide"], summary.get("compute_only")
     nodes = summary.get("ranks_per_node")
     transport = f", transport {summary.get('transport', 'auto')}" if summary["device"] == "cuda" else ""
     wire = ", bf16 partials on the wire (lossy)" if summary.get("wire_dtype") == "bf16" else ""
@@ -20,15 +20,17 @@ def fsdp_table(summary: dict) -> str:
     lines = [f"# tide-bench fsdp: {summary['model']}{experts}, W = {summary['world']}{where}, {summary['device']}, "
              f"mp {summary['mp']}, median of {summary['steps']} steps after {summary['warmup']} warm-up"
              f"{emulated}",
-             f"{'':<34} {'stock FSDP2':>14} {'TIDE':>14} {'TIDE/stock':>11}"]
+             f"{'':<34} {'stock FSDP2':>14} {'TIDE':>14} {'TIDE/stock':>11}"
+             + (f" {'compute only':>13}" if c else "")]
 
-    def row(label, key, fmt):
+    def row(label, key, fmt, reference=False):
         a, b = s[key], t[key]
         ratio = f"{b / a:.3f}" if a else "-"
-        lines.append(f"{label:<34} {fmt.format(a):>14} {fmt.format(b):>14} {ratio:>11}")
+        lines.append(f"{label:<34} {fmt.format(a):>14} {fmt.format(b):>14} {ratio:>11}"
+                     + (f" {fmt.format(c[key]) if reference else '-':>13}" if c else ""))
 
-    row("step time (ms)", "step_ms", "{:.2f}")
-    row("time in collectives (ms)", "collectives_ms", "{:.2f}")
+    row("step time (ms)", "step_ms", "{:.2f}", reference=True)
+    row("time in collectives (ms)", "collectives_ms", "{:.2f}", reference=True)
     row("layout-conversion copies (MiB)", "layout_copy_mib", "{:.2f}")
     row(f"peak memory (MiB, {s['peak_memory_kind']})", "peak_memory_mib", "{:.1f}")
     if s.get("peak_pss_mib") and t.get("peak_pss_mib"):  # CPU: RSS counts peers' shared windows too
@@ -52,6 +54,8 @@ def fsdp_table(summary: dict) -> str:
         lines.append(f"  of the layout copies, Shard(dim > 0) re-layout (torch.cat): stock "
                      f"{s['shard_dim_copy_mib']:.2f} MiB, TIDE {t['shard_dim_copy_mib']:.2f} MiB")
     lines.append(f"numerical agreement: max |TIDE - stock| over final parameters = {summary['max_abs_diff']:.3e}")
+    if c:
+        lines.append(exposed_communication(c, [("stock", s), ("TIDE", t)]))
     if summary["device"] == "cpu":
         lines.append("SM time: n/a on CPU (host executor; no GPU used)")
     elif t.get("sm_cta_us") is not None:
@@ -65,22 +69,35 @@ def fsdp_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def exposed_communication(reference: dict, modes: list) -> str:
+    """The line under a table with a compute-only reference: each mode's step time less the
+    reference's, the communication that mode leaves exposed."""
+    parts = [f"{label} {m['step_ms'] - reference['step_ms']:.2f} ms "
+             f"({100 * (m['step_ms'] - reference['step_ms']) / m['step_ms']:.0f} % of its step)"
+             for label, m in modes]
+    return ("communication exposed per step (step time - compute-only step time): " + ", ".join(parts)
+            + "; compute only: the same steps with collectives that move nothing (tide-bench fsdp --help)")
+
+
 def fsdp_graphs_table(summary: dict) -> str:
-    """tide-bench fsdp --cuda-graphs: TIDE run by run against TIDE inside captured steps."""
-    e, c = summary["tide"], summary["tide_captured"]
+    """tide-bench fsdp --cuda-graphs: TIDE run by run against TIDE inside captured steps (and the
+    compute-only reference, captured too, with --compute-only)."""
+    e, c, r = summary["tide"], summary["tide_captured"], summary.get("compute_only")
     emulated = (" — SINGLE-GPU EMULATION (ranks share the GPU: HBM-bound, not NVLink-bound)"
                 if c.get("ranks_share_gpus") else "")
     lines = [f"# tide-bench fsdp --cuda-graphs: {summary['model']}, W = {summary['world']}, "
              f"{summary['device']}, mp {summary['mp']}, median of {summary['steps']} steps after "
              f"{summary['warmup']} warm-up{emulated}",
-             f"{'':<34} {'TIDE run by run':>16} {'TIDE captured':>14} {'captured/run':>13}"]
+             f"{'':<34} {'TIDE run by run':>16} {'TIDE captured':>14} {'captured/run':>13}"
+             + (f" {'compute only':>13}" if r else "")]
 
-    def row(label, a, b, fmt):
+    def row(label, a, b, fmt, reference=None):
         ratio = f"{b / a:.3f}" if a else "-"
-        lines.append(f"{label:<34} {fmt.format(a):>16} {fmt.format(b):>14} {ratio:>13}")
+        lines.append(f"{label:<34} {fmt.format(a):>16} {fmt.format(b):>14} {ratio:>13}"
+                     + (f" {'-' if reference is None else fmt.format(reference):>13}" if r else ""))
 
-    row("step time (ms)", e["step_ms"], c["step_ms"], "{:.2f}")
-    row("host time per step (ms)", e["host_ms"], c["host_ms"], "{:.2f}")
+    row("step time (ms)", e["step_ms"], c["step_ms"], "{:.2f}", r and r["step_ms"])
+    row("host time per step (ms)", e["host_ms"], c["host_ms"], "{:.2f}", r and r["host_ms"])
     row("peak memory + TIDE pool (MiB)", e["peak_memory_mib"] + e["tide_window_mib"],
         c["peak_memory_mib"] + c["tide_window_mib"], "{:.1f}")
     lines.append("host time: from the step's start until it returns (forward, backward, optimizer "
@@ -91,6 +108,8 @@ def fsdp_graphs_table(summary: dict) -> str:
                  f"run, {c['loop_collectives']} captured")
     lines.append(f"max |captured - run by run| over final parameters = {summary['max_abs_diff']:.3e}"
                  + (" (bitwise equal)" if summary["max_abs_diff"] == 0 else ""))
+    if r:  # the reference is captured: only captured steps compare with it
+        lines.append(exposed_communication(r, [("TIDE captured", c)]))
     return "\n".join(lines)
 
 
