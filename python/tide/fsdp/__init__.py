@@ -108,7 +108,8 @@ class TideFSDP:
         """CUDA: per handled group whose collectives no CUDA graph can capture, why (programs across
         nodes, shards offloaded to the CPU); empty when a captured step can run TIDE's collectives
         (after one uncaptured step), and on CPU."""
-        return {b.path: b.capture_refusal()[0] for b in self.buckets if b.cuda and b.capture_refusal()[0]}
+        refusals = {b.path: b.capture_refusal()[0] for b in self.buckets if b.cuda}
+        return {path: what for path, what in refusals.items() if what}
 
     def __repr__(self):
         return (f"TideFSDP({len(self.buckets)} buckets handled, {len(self.fallbacks)} fallbacks, "

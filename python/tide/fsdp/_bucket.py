@@ -268,12 +268,11 @@ class Bucket:
         if self.gather is not None:
             return self.gather.shards(
                 self.fsdp_params, lambda i, j: self._shard(self.fsdp_params[i], self.gather_layout.params[j],
-                                                           stream, capture),
+                                                           stream),
                 lambda amaxes: self.amax_exchange(amaxes, self.pool, capture, self.path), capture, self.path)
-        return [self._shard(fp, p, stream, capture) for p, fp in zip(self.layout.params, self.laid_out)]
+        return [self._shard(fp, p, stream) for p, fp in zip(self.layout.params, self.laid_out)]
 
-    def _shard(self, fp: _fsdp2.FSDPParam, p: _tide.ParamLayout, stream: torch.cuda.Stream | None,
-               capture: int) -> torch.Tensor:
+    def _shard(self, fp: _fsdp2.FSDPParam, p: _tide.ParamLayout, stream: torch.cuda.Stream | None) -> torch.Tensor:
         """FSDP param `fp`'s padded shard as the all-gather reads it for layout param `p`. With CPU
         offload on CUDA the shards live in host memory: each goes to the device by a copy engine on
         the all-gather stream (a shard-sized tensor, as stock FSDP2's own offload copy; no
