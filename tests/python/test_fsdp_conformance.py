@@ -941,3 +941,54 @@ def test_manual_backward_finalization_matches_stock(async_op):
         return params_of(model), counter.counts
 
     h.compare(2, make, train_finalizing, GROUPS)
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp.FSDPModule, "set_keep_unsharded_storage"),
+                    reason=f"torch {torch.__version__}'s FSDP2 ignores fsdp_should_release_all_gather_outputs_after_post_all_gather (2.15)")
+def test_an_extension_releasing_its_outputs_after_post_all_gather_keeps_its_group_stock():
+    """An all-gather extension that opts into FSDP2 2.15's release after fsdp_post_all_gather has
+    its all-gather outputs freed inside FSDP2's unshard, not at the reshard TIDE hooks: its groups
+    stay stock, named with the reason, and train as stock; the root's plain group is TIDE's."""
+    from test_fsdp_extensions import SplitTensorV2
+
+    class ReleasingSplitTensor(SplitTensorV2):
+        def fsdp_should_release_all_gather_outputs_after_post_all_gather(self):
+            return True  # its unsharded value is a sum of the outputs, not a view of them
+
+    def build():
+        with _construct:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.ReLU(),
+                                                              torch.nn.Linear(16, 8, bias=False)) for _ in range(2)],
+                                        torch.nn.Linear(8, 4, bias=False))
+        for mlp in model[:2]:
+            for linear in (mlp[0], mlp[2]):
+                linear.weight = torch.nn.Parameter(ReleasingSplitTensor(linear.weight.detach().clone()))
+            fully_shard(mlp)
+        fully_shard(model)
+        return model
+
+    def train_mlp(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(1 + dist.get_rank())
+        for _ in range(2):
+            model(torch.randn(2, 8, generator=gen)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.to_local().detach().clone() for p in model.parameters()]
+
+    def rank_fn(rank):
+        stock = train_mlp(build())
+        model = build()
+        handle = tide.fsdp.enable(model)
+        try:
+            mine = train_mlp(model)
+        finally:
+            tide.fsdp.disable(model)
+        return all(map(torch.equal, mine, stock)), handle
+
+    for equal, handle in threaded_world.run(2, rank_fn):
+        assert equal, "differs from stock FSDP2"
+        assert [path for path, _ in handle.fallbacks] == ["0", "1"], handle.fallbacks
+        assert all("fsdp_should_release_all_gather_outputs_after_post_all_gather" in r for _, r in handle.fallbacks)
+        assert [b.path for b in handle.buckets] == ["<root>"] and handle.counts()["reduce_scatters"] > 0, handle
