@@ -922,8 +922,8 @@ def test_kept_unsharded_storage_keeps_the_groups_stock():
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 def test_manual_backward_finalization_matches_stock(async_op):
     """Backward finalized by the caller (torch 2.15): the reduce-scatters run from
-    finalize_backward, after autograd, and with async_op=True the caller waits on the handle; TIDE
-    handles every group, bitwise equal to stock."""
+    finalize_backward, after autograd, and with async_op=True the caller waits on the handle
+    (enable and disable refuse before it); TIDE handles every group, bitwise equal to stock."""
     def train_finalizing(model):
         model.set_manual_backward_finalization(True)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -934,7 +934,9 @@ def test_manual_backward_finalization_matches_stock(async_op):
                 tokens = torch.randint(0, h.VOCAB, (2, 8), generator=gen)
                 F.cross_entropy(model(tokens).view(-1, h.VOCAB), tokens.roll(-1, 1).view(-1)).backward()
                 reduction = model.finalize_backward(async_op=async_op)
-                if async_op:
+                if async_op:  # the reduction is not over until wait(): enable and disable refuse
+                    with pytest.raises(ValueError, match=r"has a gradient reduction in flight .*after the handle's wait\(\)"):
+                        tide.fsdp.disable(model) if id(model) in tide.fsdp._enabled else tide.fsdp.enable(model)
                     reduction.wait()
                 opt.step()
                 opt.zero_grad()

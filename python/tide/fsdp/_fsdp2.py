@@ -136,11 +136,15 @@ def state_fallback_reason(param_group) -> str:
     state = getattr(param_group, "_training_state", TrainingState.IDLE)
     if state != TrainingState.IDLE:
         return f"is in FSDP2 training state {state.name} (inside forward or backward): call it between steps"
+    if gradient_reduction_pending(param_group):
+        return ("has a gradient reduction in flight (finalize_backward(async_op=True)): its "
+                "reduce-scatters may still run and FSDP2 holds their buffers; call it after the "
+                "handle's wait()")
     if backward_pending(param_group):
         way_out = ("call model.reset_iter_state() first" if hasattr(FSDPModule, "reset_iter_state")
                    else "run a training step first")
-        manual = (", or with set_manual_backward_finalization(True) after finalize_backward() and "
-                  "its handle's wait()" if hasattr(FSDPModule, "finalize_backward") else "")
+        manual = (", or with set_manual_backward_finalization(True) after finalize_backward()"
+                  if hasattr(FSDPModule, "finalize_backward") else "")
         return ("has run a forward whose backward has not finished: autograd holds the unsharded "
                 "parameters that forward built, so their gradients would be lost; call it after "
                 f"the backward{manual} (after a torch.no_grad() forward, where no backward "
@@ -153,6 +157,13 @@ def state_fallback_reason(param_group) -> str:
         return ("holds unsharded gradients not yet reduced (set_requires_gradient_sync(False) "
                 "micro-batches): enable or disable TIDE after the micro-batch that reduces them")
     return ""
+
+
+def gradient_reduction_pending(param_group) -> bool:
+    """torch >= 2.15: the group's FSDP tree finalized a backward asynchronously and the handle
+    ``finalize_backward(async_op=True)`` returned has not been waited on (FSDP2 keeps it in the
+    shared comm context until ``wait()``)."""
+    return getattr(param_group.comm_ctx, "active_gradient_reduction", None) is not None
 
 
 def backward_pending(param_group) -> bool:
