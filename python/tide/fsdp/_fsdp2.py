@@ -212,8 +212,8 @@ def custom_comm_reason(param_group) -> str:
 # torch >= 2.15: the functions FSDP2's copy-out and reduce-scatter copy-in call by default; a
 # param group's _all_gather_output_fn / _prepare_reduce_scatter_inputs may name others (None where
 # the version has no such hook).
-DEFAULT_ALL_GATHER_OUTPUT_FN = getattr(collectives, "_default_all_gather_output_fn", None)
-DEFAULT_REDUCE_SCATTER_INPUT_FN = getattr(collectives, "_default_reduce_scatter_input_fn", None)
+_DEFAULT_ALL_GATHER_OUTPUT_FN = getattr(collectives, "_default_all_gather_output_fn", None)
+_DEFAULT_REDUCE_SCATTER_INPUT_FN = getattr(collectives, "_default_reduce_scatter_input_fn", None)
 
 
 def _function_name(fn) -> str:
@@ -224,8 +224,8 @@ def custom_all_gather_output_reason(param_group) -> str:
     """Non-empty when the group's all-gather output function (torch >= 2.15, the copy-out's
     ``all_gather_output_fn``) is not FSDP2's default: TIDE's all-gather writes the unsharded
     params in place and runs no copy-out to call it from."""
-    fn = getattr(param_group, "_all_gather_output_fn", DEFAULT_ALL_GATHER_OUTPUT_FN)
-    if fn is DEFAULT_ALL_GATHER_OUTPUT_FN:
+    fn = getattr(param_group, "_all_gather_output_fn", _DEFAULT_ALL_GATHER_OUTPUT_FN)
+    if fn is _DEFAULT_ALL_GATHER_OUTPUT_FN:
         return ""
     return f"a custom all-gather output function ({_function_name(fn)})"
 
@@ -233,8 +233,9 @@ def custom_all_gather_output_reason(param_group) -> str:
 def custom_reduce_scatter_input_reason(fn) -> str:
     """Non-empty when `fn`, a reduce-scatter input function (torch >= 2.15: foreach_reduce's
     ``prepare_reduce_scatter_inputs``, None where a call passes none) is not FSDP2's default:
-    TIDE's reduce-scatter reads the gradients in place and would skip what `fn` does to them."""
-    if fn is None or fn is DEFAULT_REDUCE_SCATTER_INPUT_FN:
+    TIDE's reduce-scatter reads the gradients in place in its own layout, which what `fn` does to
+    them or to their padded sizes would not match."""
+    if fn is None or fn is _DEFAULT_REDUCE_SCATTER_INPUT_FN:
         return ""
     return f"a custom reduce-scatter input function ({_function_name(fn)})"
 
