@@ -994,3 +994,13 @@ def test_an_extension_releasing_its_outputs_after_post_all_gather_keeps_its_grou
         assert [path for path, _ in handle.fallbacks] == ["0", "1"], handle.fallbacks
         assert all("fsdp_should_release_all_gather_outputs_after_post_all_gather" in r for _, r in handle.fallbacks)
         assert [b.path for b in handle.buckets] == ["<root>"] and handle.counts()["reduce_scatters"] > 0, handle
+
+
+@pytest.mark.parametrize("version", ["2.10.2", "2.16.0", "3.0.0+cu140"])
+def test_a_torch_outside_the_supported_range_is_refused_in_one_line(version, monkeypatch):
+    from tide.fsdp import _fsdp2
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(RuntimeError) as refused:
+        _fsdp2.check_torch_version()
+    assert str(refused.value) == (f"tide.fsdp: torch {version} is outside the versions tide.fsdp supports "
+                                  "(2.11 to 2.15); its FSDP2 internals are unknown to it"), refused.value
