@@ -3,15 +3,36 @@
 # Python: a virtual environment that sees this Python's packages (tide, pytest, numpy) with its
 # own torch on top. tide's extension does not link torch, so the installed build serves both.
 #   scripts/torch_matrix.sh [torch version]   (default 2.14.1)
+# A release this machine's pip sources or configuration do not give (its global constraints file
+# caps torch at the releases on its disk: `pip config list`) comes from PyPI into a wheel directory
+# kept per version, $TIDE_WHEEL_CACHE/torch-<version> (default ~/.cache/tide/wheels), and is
+# installed from there into this venv alone, with the cap lifted for those pip calls only
+# (PIP_CONSTRAINT=/dev/null stands in for the configured file). torch 2.15.0 on PyPI is only its
+# CUDA 13.2 build (it runs on CPU): about 3 GB of wheels, downloaded once per machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:-2.14.1}
 PY=${PYTHON:-python3}
 venv=${TIDE_MATRIX_VENV:-build/torch-$version}
+wheels=${TIDE_WHEEL_CACHE:-$HOME/.cache/tide/wheels}/torch-$version
 echo "== tide.fsdp tests on torch $version ($venv)"
 [[ -x "$venv/bin/python" ]] || "$PY" -m venv --system-site-packages "$venv"
-"$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null ||
-  "$venv/bin/python" -m pip install -q "torch==$version"
+has_version() {
+  "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null
+}
+install_cached() {
+  PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q --no-index --find-links "$wheels" "torch==$version"
+}
+if ! has_version; then
+  if compgen -G "$wheels/torch-$version-*.whl" >/dev/null; then
+    install_cached
+  elif ! "$venv/bin/python" -m pip install -q "torch==$version"; then
+    echo "   torch $version is not in this machine's pip sources or is capped there: downloading it into $wheels"
+    PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip download -q -d "$wheels" "torch==$version"
+    install_cached
+  fi
+  has_version || { echo "torch_matrix.sh: $venv has torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'), expected $version" >&2; exit 1; }
+fi
 "$venv/bin/python" -c "import torch, tide; print('   torch', torch.__version__, '| tide', tide.__file__)"
 "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider tests/python/test_extension.py \
   tests/python/test_fsdp_conformance.py tests/python/test_fsdp_dtensor.py tests/python/test_fsdp.py \

@@ -39,7 +39,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        # In the activations' dtype, as Llama's norm: an fp32 weight beside bf16 activations
+        # (per-param mixed precision) would otherwise promote the next layer's input.
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight).to(x.dtype)
 
 
 class Block(nn.Module):

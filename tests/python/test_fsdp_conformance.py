@@ -6,19 +6,22 @@ sum of two numbers, so parameters must be bitwise equal to stock's."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives_module
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
 import fsdp_harness as h
 import threaded_world
 import tide
 import tide.fsdp
+from tide.fsdp import _dispatch, _fallbacks, _hooks
 
 _construct = threading.Lock()  # torch's global RNG: one thread-rank builds its model at a time
 
@@ -790,3 +793,257 @@ def test_trainable_zero_size_params_stay_stock_with_stock_s_error():
         assert [p for p, _ in handle.fallbacks] == [f"blocks.{i}" for i in range(GROUPS - 1)], handle.fallbacks
         assert all("zero-size (0, 5) and trainable" in r for _, r in handle.fallbacks), handle.fallbacks
         assert [b.path for b in handle.buckets] == ["<root>"], handle.buckets
+
+
+# --- gradient dtypes; torch 2.15: per-param mixed precision and FSDP2's new hooks ------------------
+
+def test_gradients_of_two_dtypes_in_one_reduce_scatter_run_stock():
+    """The guard itself, on every version (before 2.15 FSDP2 asserts one dtype per group, so only
+    a direct call mixes them): a reduce-scatter over bf16 and fp32 gradients is stock's, whichever
+    dtype comes first. (It compared through dtype.__eq__, whose NotImplemented is truthy.)"""
+    call = _hooks.Call("foreach_reduce", (), {"reduce_scatter_comm": None})
+    for first, other in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        grads = [torch.zeros(4, dtype=first), torch.zeros(4, dtype=other), torch.zeros(2, dtype=first)]
+        reason = _fallbacks.reduce_scatter_reason(None, (), [], grads, call)
+        assert reason == "mixed gradient dtypes ['torch.bfloat16', 'torch.float32']", reason
+
+
+needs_per_param_policy = pytest.mark.skipif(
+    "param_dtype_override_fn" not in MixedPrecisionPolicy.__dataclass_fields__,
+    reason=f"torch {torch.__version__} has no per-param mixed precision (2.15: param_dtype_override_fn)")
+
+
+def _fsdp_param_group(module):
+    (param_group,) = module._get_fsdp_state()._fsdp_param_groups
+    return param_group
+
+
+@needs_per_param_policy
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, torch.float32, None], ids=["bf16", "fp32", "none"])
+def test_per_param_mixed_precision_matches_stock(reduce_dtype, caplog, monkeypatch):
+    """bf16 compute with fp32 norms (param_dtype_override_fn keeps the 1-D params in their own
+    dtype): each block's group gathers bf16 and fp32 params side by side, in TIDE's window. With a
+    bf16 reduce FSDP2 hands every gradient over in bf16 and TIDE reduces every group. With fp32, or
+    none (2.15: each param's grad dtype, fp32 here), a block's bf16 weight gradients meet its fp32
+    norm gradients in one reduce-scatter: stock's, logged once per group; the root's (bf16
+    embedding and head) and the final norm's own group (fp32) stay TIDE's. Bitwise equal to stock:
+    at W = 2 every reduction sums two numbers."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                                  param_dtype_override_fn=lambda p: p.dtype if p.ndim == 1 else None)
+
+    def build():
+        with _construct:
+            torch.manual_seed(0)
+            model = h.TinyLlama()
+        for module in [*model.blocks, model.norm, model]:
+            fully_shard(module, mp_policy=policy)
+        return model
+
+    def rank_fn(rank):
+        stock, _ = train(build())
+        model = build()
+        handle = tide.fsdp.enable(model, timeout_ms=30000)
+        try:
+            mine, _ = train(model)
+        finally:
+            tide.fsdp.disable(model)
+        return [torch.equal(a, b) for a, b in zip(mine, stock)], handle
+
+    monkeypatch.setattr(_dispatch, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="tide.fsdp"):
+        results = threaded_world.run(2, rank_fn)
+    mixed = reduce_dtype is not torch.bfloat16
+    groups, steps = 7, 2
+    for rank, (equal, handle) in enumerate(results):
+        assert all(equal), f"rank {rank}: params differ from stock's: {equal}"
+        assert len(handle.buckets) == groups and handle.fallbacks == [], (handle, handle.fallbacks)
+        counts = handle.counts()
+        assert counts["all_gathers"] > 0, counts
+        assert counts["reduce_scatters"] == steps * (2 if mixed else groups), counts
+    logged = sorted(r.getMessage() for r in caplog.records if "mixed gradient dtypes" in r.getMessage())
+    assert len(logged) == (5 if mixed else 0), logged
+    assert all("['torch.bfloat16', 'torch.float32']" in line for line in logged), logged
+
+
+def _counted_default(attribute, calls):
+    """FSDP2's default for a param group's copy-function `attribute`, counting its calls."""
+    default = {"_all_gather_output_fn": _fsdp2_defaults()[0],
+               "_prepare_reduce_scatter_inputs": _fsdp2_defaults()[1]}[attribute]
+
+    def users_function(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return default(*args, **kwargs)
+    return users_function
+
+
+def _fsdp2_defaults():
+    return (getattr(collectives_module, "_default_all_gather_output_fn", None),
+            getattr(collectives_module, "_default_reduce_scatter_input_fn", None))
+
+
+@pytest.mark.skipif(_fsdp2_defaults()[0] is None, reason=f"torch {torch.__version__}'s FSDP2 has no copy functions (2.15)")
+@pytest.mark.parametrize("attribute", ["_all_gather_output_fn", "_prepare_reduce_scatter_inputs"])
+def test_a_groups_own_copy_function_keeps_it_stock(attribute):
+    """A param group's own all-gather output or reduce-scatter input function (torch 2.15) runs
+    where stock calls it: set before enable, the group stays stock FSDP2, named with the reason;
+    an output function set after enable is refused at the next all-gather, and an input function
+    set after enable runs those reduce-scatters stock. Bitwise equal to stock throughout."""
+    what = {"_all_gather_output_fn": "all-gather output", "_prepare_reduce_scatter_inputs": "reduce-scatter input"}[attribute]
+
+    def rank_fn(rank):
+        calls = []
+        stock_model = make()
+        setattr(_fsdp_param_group(stock_model.blocks[0]), attribute, _counted_default(attribute, calls))
+        stock, _ = train(stock_model)
+        model = make()
+        setattr(_fsdp_param_group(model.blocks[0]), attribute, _counted_default(attribute, calls))
+        before = tide.fsdp.enable(model)
+        try:
+            mine, _ = train(model)
+        finally:
+            tide.fsdp.disable(model)
+        model = make()
+        after = tide.fsdp.enable(model)
+        setattr(_fsdp_param_group(model.blocks[0]), attribute, _counted_default(attribute, calls))
+        error = None
+        try:
+            late, _ = train(model)
+        except ValueError as e:
+            error, late = str(e), None
+            disable_after_a_failed_step(model)
+        else:
+            tide.fsdp.disable(model)
+        return stock, mine, late, before, after, error, len(calls)
+
+    for stock, mine, late, before, after, error, calls in threaded_world.run(2, rank_fn):
+        assert before.fallbacks == [("blocks.0", f"a custom {what} function (_counted_default.<locals>.users_function)")], before.fallbacks
+        assert len(before.buckets) == GROUPS - 1 and before.counts()["reduce_scatters"] > 0
+        assert all(map(torch.equal, mine, stock)), "stock's group with TIDE's beside it differs from stock"
+        assert calls > 0, "the group's own function never ran"
+        assert after.fallbacks == [] and len(after.buckets) == GROUPS, after.fallbacks
+        if attribute == "_all_gather_output_fn":
+            assert error is not None and "blocks.0: a custom all-gather output function" in error and \
+                "was set after tide.fsdp.enable" in error, error
+        else:
+            assert error is None and all(map(torch.equal, late, stock)), error
+            assert after.counts()["reduce_scatters"] == 2 * (GROUPS - 1), after.counts()
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp.FSDPModule, "set_keep_unsharded_storage"),
+                    reason=f"torch {torch.__version__} has no set_keep_unsharded_storage (2.15)")
+def test_kept_unsharded_storage_keeps_the_groups_stock():
+    """set_keep_unsharded_storage(True) (torch 2.15): FSDP2 never frees the unsharded params, and
+    TIDE's windows are handed back at that free; before enable every group stays stock (and trains
+    as stock), after enable the next all-gather is refused naming the group."""
+    def rank_fn(rank):
+        stock_model = make()
+        stock_model.set_keep_unsharded_storage(True)
+        stock, _ = train(stock_model)
+        model = make()
+        model.set_keep_unsharded_storage(True)
+        before = tide.fsdp.enable(model)
+        try:
+            mine, _ = train(model)
+        finally:
+            tide.fsdp.disable(model)
+        model = make()
+        tide.fsdp.enable(model)
+        model.set_keep_unsharded_storage(True)
+        with pytest.raises(ValueError, match=r"param group .*: set_keep_unsharded_storage\(True\) was set after tide.fsdp.enable"):
+            train(model)
+        disable_after_a_failed_step(model)
+        return all(map(torch.equal, mine, stock)), before
+
+    for equal, before in threaded_world.run(2, rank_fn):
+        assert equal and before.buckets == [], before
+        assert len(before.fallbacks) == GROUPS and all(
+            r.startswith("set_keep_unsharded_storage(True)") for _, r in before.fallbacks), before.fallbacks
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp.FSDPModule, "finalize_backward"),
+                    reason=f"torch {torch.__version__} has no manual backward finalization (2.15)")
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_manual_backward_finalization_matches_stock(async_op):
+    """Backward finalized by the caller (torch 2.15): the reduce-scatters run from
+    finalize_backward, after autograd, and with async_op=True the caller waits on the handle
+    (enable and disable refuse before it); TIDE handles every group, bitwise equal to stock."""
+    def train_finalizing(model):
+        model.set_manual_backward_finalization(True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(100 + dist.get_rank())
+        counter = h.OpCounter()
+        with counter:
+            for _ in range(2):
+                tokens = torch.randint(0, h.VOCAB, (2, 8), generator=gen)
+                F.cross_entropy(model(tokens).view(-1, h.VOCAB), tokens.roll(-1, 1).view(-1)).backward()
+                reduction = model.finalize_backward(async_op=async_op)
+                if async_op:  # the reduction is not over until wait(): enable and disable refuse
+                    with pytest.raises(ValueError, match=r"has a gradient reduction in flight .*after the handle's wait\(\)"):
+                        tide.fsdp.disable(model) if id(model) in tide.fsdp._enabled else tide.fsdp.enable(model)
+                    reduction.wait()
+                opt.step()
+                opt.zero_grad()
+        return params_of(model), counter.counts
+
+    h.compare(2, make, train_finalizing, GROUPS)
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp.FSDPModule, "set_keep_unsharded_storage"),
+                    reason=f"torch {torch.__version__}'s FSDP2 ignores fsdp_should_release_all_gather_outputs_after_post_all_gather (2.15)")
+def test_an_extension_releasing_its_outputs_after_post_all_gather_keeps_its_group_stock():
+    """An all-gather extension that opts into FSDP2 2.15's release after fsdp_post_all_gather has
+    its all-gather outputs freed inside FSDP2's unshard, not at the reshard TIDE hooks: its groups
+    stay stock, named with the reason, and train as stock; the root's plain group is TIDE's."""
+    from test_fsdp_extensions import SplitTensorV2
+
+    class ReleasingSplitTensor(SplitTensorV2):
+        def fsdp_should_release_all_gather_outputs_after_post_all_gather(self):
+            return True  # its unsharded value is a sum of the outputs, not a view of them
+
+    def build():
+        with _construct:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.ReLU(),
+                                                              torch.nn.Linear(16, 8, bias=False)) for _ in range(2)],
+                                        torch.nn.Linear(8, 4, bias=False))
+        for mlp in model[:2]:
+            for linear in (mlp[0], mlp[2]):
+                linear.weight = torch.nn.Parameter(ReleasingSplitTensor(linear.weight.detach().clone()))
+            fully_shard(mlp)
+        fully_shard(model)
+        return model
+
+    def train_mlp(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(1 + dist.get_rank())
+        for _ in range(2):
+            model(torch.randn(2, 8, generator=gen)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.to_local().detach().clone() for p in model.parameters()]
+
+    def rank_fn(rank):
+        stock = train_mlp(build())
+        model = build()
+        handle = tide.fsdp.enable(model)
+        try:
+            mine = train_mlp(model)
+        finally:
+            tide.fsdp.disable(model)
+        return all(map(torch.equal, mine, stock)), handle
+
+    for equal, handle in threaded_world.run(2, rank_fn):
+        assert equal, "differs from stock FSDP2"
+        assert [path for path, _ in handle.fallbacks] == ["0", "1"], handle.fallbacks
+        assert all("fsdp_should_release_all_gather_outputs_after_post_all_gather" in r for _, r in handle.fallbacks)
+        assert [b.path for b in handle.buckets] == ["<root>"] and handle.counts()["reduce_scatters"] > 0, handle
+
+
+@pytest.mark.parametrize("version", ["2.10.2", "2.16.0", "3.0.0+cu140"])
+def test_a_torch_outside_the_supported_range_is_refused_in_one_line(version, monkeypatch):
+    from tide.fsdp import _fsdp2
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(RuntimeError) as refused:
+        _fsdp2.check_torch_version()
+    assert str(refused.value) == (f"tide.fsdp: torch {version} is outside the versions tide.fsdp supports "
+                                  "(2.11 to 2.15); its FSDP2 internals are unknown to it"), refused.value

@@ -122,8 +122,8 @@ _enabled: dict = {}  # id(module) -> TideFSDP
 def _specs(param_group, param_name) -> list:
     """The window layout's params: those with bytes (a frozen zero-size param has no slot)."""
     return [_tide.ParamSpec(param_name(fp, i), list(_fsdp2.unsharded_shape(fp)),
-                            TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[1]],
-                            TORCH_TO_TIDE[_fsdp2.dtypes(fp, param_group)[0]],
+                            TORCH_TO_TIDE[_fsdp2.dtypes(fp)[1]],
+                            TORCH_TO_TIDE[_fsdp2.dtypes(fp)[0]],
                             shard_dim=_fsdp2.shard_dim(fp))
             for i, fp in enumerate(param_group.fsdp_params) if _fsdp2.has_bytes(fp)]
 
@@ -133,8 +133,8 @@ def _identity(path: str, param_group, reason: str, param_name, gather) -> list:
     tree, its params' names, shapes, dtypes and shard dims, its all-gather extensions' inputs, and
     whether TIDE takes it."""
     inputs = gather.describe() if gather is not None else [None] * len(param_group.fsdp_params)
-    params = [[param_name(fp, i), list(_fsdp2.unsharded_shape(fp)), str(_fsdp2.dtypes(fp, param_group)[0]),
-               str(_fsdp2.dtypes(fp, param_group)[1]), _fsdp2.shard_dim(fp), inputs[i]]
+    params = [[param_name(fp, i), list(_fsdp2.unsharded_shape(fp)), str(_fsdp2.dtypes(fp)[0]),
+               str(_fsdp2.dtypes(fp)[1]), _fsdp2.shard_dim(fp), inputs[i]]
               for i, fp in enumerate(param_group.fsdp_params)]
     return [path, params, reason]
 
@@ -312,7 +312,7 @@ def _end_evaluation(bucket: Bucket) -> None:
     has not run, or unreduced gradients is left as it is (disable refuses it, naming the group)."""
     param_group = bucket.param_group
     if not _fsdp2.is_idle(param_group) or _fsdp2.all_gather_in_flight(param_group) \
-            or _fsdp2.gradients_pending(param_group):
+            or _fsdp2.gradients_pending(param_group) or _fsdp2.gradient_reduction_pending(param_group):
         return
     if bucket.no_grad_forwards_only():
         _fsdp2.forget_forwards(param_group)

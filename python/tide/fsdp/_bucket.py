@@ -112,6 +112,13 @@ class Bucket:
         refused, naming the group)."""
         if [_fsdp2.has_extension(fp) for fp in self.fsdp_params] == self.extensions:
             return
+        releasing = [self.param_name(fp, i) for i, fp in enumerate(self.fsdp_params)
+                     if _fsdp2.releases_after_post_all_gather(fp)]
+        if releasing:
+            raise ValueError(f"tide.fsdp: param group {self.path}: extension methods attached after "
+                             f"tide.fsdp.enable free {', '.join(releasing)}'s all-gather outputs after "
+                             "fsdp_post_all_gather; attach them before enable (the group then stays "
+                             "stock FSDP2)")
         gather = ExtensionGather(self.param_group, self.param_name, self.layout.topology) \
             if uses_extension(self.param_group) else None
         if gather is not None and gather.layout is None:
@@ -156,7 +163,7 @@ class Bucket:
         # Per FSDP param (FSDP2's order): its window view, or an empty tensor for a zero-size one.
         views = iter(self.param_outputs)
         self.all_gather_outputs = [next(views) if _fsdp2.has_bytes(fp) else
-                                   torch.empty(0, dtype=_fsdp2.dtypes(fp, self.param_group)[1],
+                                   torch.empty(0, dtype=_fsdp2.dtypes(fp)[1],
                                                device=self.pool.device)
                                    for fp in self.fsdp_params]
         self.result_numels = [[n] for n in self.numels]
@@ -171,6 +178,11 @@ class Bucket:
         if _fsdp2.uses_post_forward_mesh(self.param_group):
             raise ValueError(f"tide.fsdp: param group {self.path}: reshard_after_forward became an int "
                              "after tide.fsdp.enable; set it before enable (the group then stays stock)")
+        changed = _fsdp2.custom_all_gather_output_reason(self.param_group) or \
+            ("set_keep_unsharded_storage(True)" if _fsdp2.keeps_unsharded_storage(self.param_group) else "")
+        if changed:
+            raise ValueError(f"tide.fsdp: param group {self.path}: {changed} was set after "
+                             "tide.fsdp.enable; set it before enable (the group then stays stock FSDP2)")
 
     def before_unshard(self) -> None:
         """Where FSDP2 unshards the group (a forward, a prefetch, a user's unshard()), before it

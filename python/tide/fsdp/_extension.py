@@ -136,7 +136,7 @@ class ExtensionGather:
                                              TORCH_TO_TIDE[shard.dtype], shard_dim=0))
                 continue
             if not _fsdp2.has_extension(fp):
-                orig, comm = _fsdp2.dtypes(fp, param_group)
+                orig, comm = _fsdp2.dtypes(fp)
                 self.entries.append([Entry(len(specs), comm, _fsdp2.padded_shard_shape(fp).numel())])
                 specs.append(_tide.ParamSpec(name, list(_fsdp2.unsharded_shape(fp)), TORCH_TO_TIDE[comm],
                                              TORCH_TO_TIDE[orig], shard_dim=_fsdp2.shard_dim(fp)))

@@ -35,6 +35,9 @@ def group_reason(param_group: _fsdp2.FSDPParamGroup, group: dist.ProcessGroup | 
     reason = _fsdp2.custom_comm_reason(param_group)
     if reason:
         return reason
+    if _fsdp2.keeps_unsharded_storage(param_group):
+        return ("set_keep_unsharded_storage(True): FSDP2 keeps the unsharded parameters' storage "
+                "at reshard, where TIDE hands the group's window back to its pool")
     if not any(_fsdp2.has_bytes(fp) for fp in param_group.fsdp_params):
         return "every param is zero-size (nothing to communicate)"
     for i, fp in enumerate(param_group.fsdp_params):
@@ -46,7 +49,11 @@ def group_reason(param_group: _fsdp2.FSDPParamGroup, group: dist.ProcessGroup | 
                     "reduce-scatter refuses its empty gradient)")
         if not _fsdp2.has_bytes(fp) and any(map(_fsdp2.has_extension, param_group.fsdp_params)):
             return f"{name} is zero-size in a group with all-gather extensions (fsdp_pre_all_gather)"
-        orig, comm = _fsdp2.dtypes(fp, param_group)
+        if _fsdp2.releases_after_post_all_gather(fp):
+            return (f"{name}'s all-gather extension frees its all-gather outputs after "
+                    "fsdp_post_all_gather (fsdp_should_release_all_gather_outputs_after_post_all_gather), "
+                    "outside the reshard where TIDE vacates the window they view")
+        orig, comm = _fsdp2.dtypes(fp)
         if orig not in TORCH_TO_TIDE or comm not in TORCH_TO_TIDE:
             return f"{name} has dtype {orig} (communicated as {comm})"
         dim, shape, padded = _fsdp2.shard_dim(fp), _fsdp2.unsharded_shape(fp), _fsdp2.padded_shard_shape(fp)
@@ -91,13 +98,20 @@ def reduce_scatter_reason(bucket: Bucket, subset: tuple[int, ...], fsdp_params: 
     comm = call.get("reduce_scatter_comm")
     if not _fsdp2.is_default_comm(comm, "reduce_scatter"):
         return f"a custom reduce-scatter comm ({type(comm).__name__})"
+    reason = _fsdp2.custom_reduce_scatter_input_reason(call.get("prepare_reduce_scatter_inputs"))
+    if reason:
+        return reason
     if set(map(type, grads)) != _PLAIN:
         subclasses = sorted({type(g).__name__ for g in grads if type(g) is not torch.Tensor})
         # e.g. an all-gather extension whose unsharded param is a subclass (TwoTensor)
         return f"gradients are tensor subclasses ({', '.join(subclasses)}), not plain tensors"
+    # A set of the dtypes, not dtype.__eq__ through map: torch.dtype.__eq__ returns NotImplemented
+    # (truthy) for another dtype. One group mixes dtypes on torch >= 2.15 (bf16 weights beside
+    # fp32 norms with param_dtype_override_fn), where stock reduces each in the promoted dtype.
+    grad_dtypes = set(map(_dtype_of, grads))
+    if len(grad_dtypes) != 1:
+        return f"mixed gradient dtypes {sorted(map(str, grad_dtypes))}"
     grad_dtype = grads[0].dtype
-    if not all(map(grad_dtype.__eq__, map(_dtype_of, grads))):
-        return f"mixed gradient dtypes {sorted({str(g.dtype) for g in grads})}"
     reduce_dtype = call.get("reduce_dtype") or grad_dtype
     if grad_dtype not in TORCH_TO_TIDE or reduce_dtype not in (torch.float32, grad_dtype):
         return f"gradient dtype {grad_dtype} with reduce dtype {reduce_dtype}"

@@ -9,6 +9,7 @@ one line, a version outside the range tide.fsdp is written and tested against.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Callable
 
 import torch
@@ -19,10 +20,10 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param as param_module
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 from torch.distributed.tensor import Shard
 
-# Written against 2.11 and 2.13 (2.14 is 2.13 for FSDP2), 2.12 read from its sources; tested on
-# 2.11, 2.13 and 2.14. The upper bound is the newest released torch: a later one is refused until
-# its FSDP2 has been read (this tuple is the one place that says so).
-SUPPORTED = ((2, 11), (2, 14))
+# Written against 2.11, 2.13 (2.14 is 2.13 for FSDP2) and 2.15, 2.12 read from its sources; tested
+# on 2.11, 2.13, 2.14 and 2.15. The upper bound is the newest released torch: a later one is
+# refused until its FSDP2 has been read (this tuple is the one place that says so).
+SUPPORTED = ((2, 11), (2, 15))
 
 ShardedState = param_module.ShardedState
 # FSDP2's reduce-scatter comm interface (torch >= 2.12: _fsdp_api.ReduceScatter, an ABC whose
@@ -138,12 +139,19 @@ def state_fallback_reason(param_group) -> str:
     state = getattr(param_group, "_training_state", TrainingState.IDLE)
     if state != TrainingState.IDLE:
         return f"is in FSDP2 training state {state.name} (inside forward or backward): call it between steps"
+    if gradient_reduction_pending(param_group):
+        return ("has a gradient reduction in flight (finalize_backward(async_op=True)): its "
+                "reduce-scatters may still run and FSDP2 holds their buffers; call it after the "
+                "handle's wait()")
     if backward_pending(param_group):
         way_out = ("call model.reset_iter_state() first" if hasattr(FSDPModule, "reset_iter_state")
                    else "run a training step first")
+        manual = (", or with set_manual_backward_finalization(True) after finalize_backward()"
+                  if hasattr(FSDPModule, "finalize_backward") else "")
         return ("has run a forward whose backward has not finished: autograd holds the unsharded "
                 "parameters that forward built, so their gradients would be lost; call it after "
-                f"the backward (after a torch.no_grad() forward, where no backward follows: {way_out})")
+                f"the backward{manual} (after a torch.no_grad() forward, where no backward "
+                f"follows: {way_out})")
     for fp in param_group.fsdp_params:
         if fp.sharded_state != ShardedState.SHARDED:
             return (f"is {fp.sharded_state.name} (unsharded by unshard() or reshard_after_forward=False): "
@@ -185,6 +193,13 @@ def forget_forwards(param_group) -> None:
     param_group._post_forward_indices.clear()
 
 
+def gradient_reduction_pending(param_group) -> bool:
+    """torch >= 2.15: the group's FSDP tree finalized a backward asynchronously and the handle
+    ``finalize_backward(async_op=True)`` returned has not been waited on (FSDP2 keeps it in the
+    shared comm context until ``wait()``)."""
+    return getattr(param_group.comm_ctx, "active_gradient_reduction", None) is not None
+
+
 def backward_pending(param_group) -> bool:
     """A forward ran and the backward that finalizes it has not: FSDP2 records each forward use
     of a group for the pre-backward prefetch order and clears the record when the backward ends.
@@ -213,7 +228,9 @@ def uses_post_forward_mesh(param_group) -> bool:
 def custom_comm_reason(param_group) -> str:
     """Non-empty when the group's all-gather or reduce-scatter comm is not FSDP2's default (torch
     >= 2.12: set_custom_all_gather / set_custom_reduce_scatter, symmetric memory, allocation from
-    the process group): TIDE would replace the user's comm, so such a group stays stock."""
+    the process group), or its copy functions around them are not (torch >= 2.15: the group's
+    all-gather output function and reduce-scatter input function): TIDE would replace the user's
+    comm, or skip the copy-out or copy-in the user's function runs in, so such a group stays stock."""
     default_ag = getattr(collectives, "DefaultAllGather", None)
     default_rs = getattr(collectives, "DefaultReduceScatter", None)
     ag = getattr(param_group, "_all_gather_comm", None)
@@ -222,7 +239,63 @@ def custom_comm_reason(param_group) -> str:
         return f"a custom all-gather comm ({type(ag).__name__})"
     if rs is not None and default_rs is not None and type(rs) is not default_rs:
         return f"a custom reduce-scatter comm ({type(rs).__name__})"
-    return ""
+    return custom_all_gather_output_reason(param_group) or \
+        custom_reduce_scatter_input_reason(getattr(param_group, "_prepare_reduce_scatter_inputs", None))
+
+
+# torch >= 2.15: the functions FSDP2's copy-out and reduce-scatter copy-in call by default; a
+# param group's _all_gather_output_fn / _prepare_reduce_scatter_inputs may name others (None where
+# the version has no such hook).
+_DEFAULT_ALL_GATHER_OUTPUT_FN = getattr(collectives, "_default_all_gather_output_fn", None)
+_DEFAULT_REDUCE_SCATTER_INPUT_FN = getattr(collectives, "_default_reduce_scatter_input_fn", None)
+
+
+def _function_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def custom_all_gather_output_reason(param_group) -> str:
+    """Non-empty when the group's all-gather output function (torch >= 2.15, the copy-out's
+    ``all_gather_output_fn``) is not FSDP2's default: TIDE's all-gather writes the unsharded
+    params in place and runs no copy-out to call it from."""
+    fn = getattr(param_group, "_all_gather_output_fn", _DEFAULT_ALL_GATHER_OUTPUT_FN)
+    if fn is _DEFAULT_ALL_GATHER_OUTPUT_FN:
+        return ""
+    return f"a custom all-gather output function ({_function_name(fn)})"
+
+
+def custom_reduce_scatter_input_reason(fn) -> str:
+    """Non-empty when `fn`, a reduce-scatter input function (torch >= 2.15: foreach_reduce's
+    ``prepare_reduce_scatter_inputs``, None where a call passes none) is not FSDP2's default:
+    TIDE's reduce-scatter reads the gradients in place in its own layout, which what `fn` does to
+    them or to their padded sizes would not match."""
+    if fn is None or fn is _DEFAULT_REDUCE_SCATTER_INPUT_FN:
+        return ""
+    return f"a custom reduce-scatter input function ({_function_name(fn)})"
+
+
+# torch >= 2.15 frees all-gather outputs apart from free_unsharded_param, or keeps them
+# (FSDPParam.keep_unsharded_storage, set by FSDPModule.set_keep_unsharded_storage).
+_FREES_OUTPUTS_APART = hasattr(param_module.FSDPParam, "free_all_gather_outputs")
+_keep_unsharded_storage = operator.attrgetter("keep_unsharded_storage")
+
+
+def keeps_unsharded_storage(param_group) -> bool:
+    """set_keep_unsharded_storage(True) (torch >= 2.15): FSDP2's reshard keeps the unsharded
+    params' storage and never calls free_unsharded_param, where TIDE hands the group's window back
+    to its pool for other groups to fill."""
+    return _FREES_OUTPUTS_APART and any(map(_keep_unsharded_storage, param_group.fsdp_params))
+
+
+def releases_after_post_all_gather(fp) -> bool:
+    """An all-gather extension that opts into
+    ``fsdp_should_release_all_gather_outputs_after_post_all_gather`` (torch >= 2.15; earlier FSDP2
+    ignores it): FSDP2 frees the param's all-gather outputs right after ``fsdp_post_all_gather``,
+    inside ``init_unsharded_param``, and not through free_unsharded_param, which TIDE hooks; for
+    TIDE those outputs are views of the group's window. Asked as FSDP2 asks it (the method's bool)."""
+    should_release = getattr(fp._sharded_local_tensor,
+                             "fsdp_should_release_all_gather_outputs_after_post_all_gather", None)
+    return _FREES_OUTPUTS_APART and should_release is not None and should_release() is True
 
 
 def is_default_comm(comm, kind: str) -> bool:
@@ -291,11 +364,13 @@ def has_bytes(fp) -> bool:
     return fp._orig_size.numel() > 0
 
 
-def dtypes(fp, param_group) -> tuple:
+def dtypes(fp) -> tuple:
     """(sharded dtype, unsharded/communication dtype) of a param. FSDPParam sets its own dtype
-    attributes only at lazy init (first forward); enable() may run before that."""
+    attributes only at lazy init (first forward), and enable() may run before that, so this reads
+    the policy they come from: the param's own (FSDPParam.mp_policy; torch 2.15 resolves
+    ``param_dtype_override_fn`` into it per param, and its param groups keep none)."""
     orig = fp.sharded_param.dtype
-    return orig, (param_group.mp_policy.param_dtype or orig)
+    return orig, (fp.mp_policy.param_dtype or orig)
 
 
 def all_gather_result(output: torch.Tensor, input_numels: list, input_dtypes: list, event=None):

@@ -116,7 +116,9 @@ class Call:
         self.positions, self.args, self.kwargs = _hook(name).positions, args, kwargs
 
     def get(self, param: str, default=None):
-        i = self.positions[param]
+        """The argument `param`, positional or keyword; a keyword-only parameter (torch 2.15's
+        ``prepare_reduce_scatter_inputs``) has no position and is only ever passed by keyword."""
+        i = self.positions.get(param, len(self.args))
         if i < len(self.args):
             return self.args[i]
         return self.kwargs.get(param, default)
