@@ -166,7 +166,7 @@ TEST(CudaGraphs, ReplaysMatchRunByRunAsThreadsPushing) {
 }
 
 // Ranks as threads share a GPU's SMs: the cast-to-peers kernel runs (kernels.cuh), its waits on
-// the captured value, its flags cleared after it.
+// the captured value, its flags reset by the kernel itself.
 TEST(CudaGraphs, ReplaysMatchRunByRunAsThreadsCastingToPeers) {
   TIDE_REQUIRE_GPU();
   check_replays_as_threads(replay_scenario(3, Delivery::kCastToPeers));

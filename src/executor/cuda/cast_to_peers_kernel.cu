@@ -32,6 +32,7 @@ struct CastToPeersTable {
   uint64_t wait_id;
   int equal;
   unsigned int* arrivals;
+  unsigned int* departures;
   uint64_t* reached;
   uint64_t* passed;
   uint64_t* signals[kCastToPeersPeers];
@@ -51,6 +52,14 @@ __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* word) {
   uint64_t value;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
   return value;
+}
+
+// Adds 1 to a CTA counter with acquire-release semantics at GPU scope: what the CTA's thread did
+// before (its flag loads) happens before what the last one to arrive does after (a reset).
+__device__ __forceinline__ unsigned int add_acq_rel_gpu(unsigned int* counter) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  return old;
 }
 
 // A flag's epoch word against the awaited epoch: equal (a captured run's fixed value) or reached.
@@ -95,6 +104,14 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
           backoff = min(backoff * 2, 256u);
         }
       }
+      // A captured run resets the data-ready flags it waited on once every CTA has passed them:
+      // the last CTA to get past does. A peer signals one again only after its next slot-free
+      // wait, which needs this rank's next slot-free signal, issued after this kernel ends.
+      if (table.equal && add_acq_rel_gpu(table.departures) + 1 == gridDim.x) {
+        atomicExch(table.departures, 0u);
+        for (int k = 0; k < table.num_waits; ++k)
+          *reinterpret_cast<volatile uint64_t*>(const_cast<uint64_t*>(table.waits[k])) = 0;
+      }
       // Once one CTA has passed, every CTA passes: a flag moves on only after this kernel ends.
       if (blockIdx.x == 0) store_release_system(table.passed, table.wait_id);
     }
@@ -128,6 +145,8 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
                                 " reduces, ", kCastToPeersSources, " sources in all"));
   TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_cast_to_peers", "arrivals", "null",
                  "the window's CTA counter when the kernel signals");
+  TIDE_CHECK_ARG(!spec.equal || spec.num_waits == 0 || spec.arrivals, "launch_cast_to_peers",
+                 "arrivals", "null", "the window's CTA counters when a captured kernel waits");
   TIDE_CHECK_ARG(spec.num_waits == 0 || (spec.reached && spec.passed),
                  "launch_cast_to_peers", "marks", "null", "the watchdog's marks when the kernel waits");
   CastToPeersTable table{};
@@ -168,6 +187,7 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
   table.wait_id = spec.wait_id;
   table.equal = spec.equal ? 1 : 0;
   table.arrivals = spec.arrivals;
+  table.departures = spec.arrivals ? spec.arrivals + 1 : nullptr;
   table.reached = spec.reached;
   table.passed = spec.passed;
   // One CTA per SM and rank on this GPU: with the cast-to-peers kernels of an all-gather and a reduce-scatter

@@ -121,6 +121,10 @@ Launches reduce_launches(const ReduceSpec* specs, std::size_t num_specs, int num
 //            stream wait, and releases it the same way (it writes the awaited words into the own
 //            flags; the copy completes while the kernel spins);
 //   reduces  after the waits, so the peers' chunks in the own window are visible.
+// A captured run (`equal`) resets the data-ready flags it waited on, in the kernel, so no clear
+// follows it: the last CTA to get past them does (the window's second counter); a peer signals
+// data-ready again only after this rank's next slot-free signal, which comes after this kernel
+// ends.
 // The CTAs that spin hold SMs while they wait, so this is for small buckets only, at most one CTA
 // per SM and rank on the GPU, and only where every peer's kernels can run while this one waits
 // (ranks that are threads of this process, or on other GPUs: CudaWindow::peers_run_beside_own()).
@@ -158,10 +162,10 @@ struct CastToPeersSpec {
   uint64_t epoch = 0;
   uint64_t tag = 0;
   // A captured run (CUDA graph): its flags carry a fixed value that every replay writes, and a
-  // wait passes when the flag's epoch word equals `epoch` (GEQ otherwise); the executor clears the
-  // awaited flags after the kernel, so the next replay waits for the next signal.
+  // wait passes when the flag's epoch word equals `epoch` (GEQ otherwise); the kernel resets the
+  // awaited flags (above), so the next replay waits for the next signal.
   bool equal = false;
-  unsigned int* arrivals = nullptr;  // the window's CTA counter: 0 between launches
+  unsigned int* arrivals = nullptr;  // the window's two CTA counters (arrivals[0], [1]): 0 between launches
   uint64_t* reached = nullptr;       // the watchdog's marks (device addresses of host memory)
   uint64_t* passed = nullptr;
   uint64_t wait_id = 0;

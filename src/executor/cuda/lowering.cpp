@@ -299,16 +299,9 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
     spec.passed = reinterpret_cast<uint64_t*>(marks->passed_address(record->slot));
     spec.wait_id = record->id;
   }
+  // A captured kernel resets the flags it waited on itself (kernels.cuh): no clear follows it.
   launch_timed(KernelKind::kCastToPeers, stream, [&] { return cuda_kernels::launch_cast_to_peers(spec, stream); });
   ++stats.cast_to_peers_kernels;
-  if (record && capturing) {  // every CTA has passed the waits once the kernel ends: clear them
-    std::array<CUstreamBatchMemOpParams, cuda_kernels::kCastToPeersPeers> clears;
-    for (std::size_t k = 0; k < record->flags.size(); ++k)
-      clears[k] = write_value(reinterpret_cast<CUdeviceptr>(&record->flags[k].flag->epoch), 0);
-    TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(record->flags.size()),
-                                          clears.data(), 0));
-    ++stats.mem_op_calls;
-  }
   if (record) watch(std::move(*record));
 }
 
