@@ -24,12 +24,15 @@ struct CastToPeersTable {
   int num_sources;
   int num_signals;
   int num_waits;
+  int num_free_signals;
+  int num_free_waits;
   int64_t cast_tiles;
   int64_t copy_tiles;
   int64_t reduce_tiles;
   uint64_t epoch;
   uint64_t tag;
   uint64_t wait_id;
+  uint64_t free_wait_id;
   int equal;
   unsigned int* arrivals;
   unsigned int* departures;
@@ -37,6 +40,8 @@ struct CastToPeersTable {
   uint64_t* passed;
   uint64_t* signals[kCastToPeersPeers];
   const uint64_t* waits[kCastToPeersPeers];
+  uint64_t* free_signals[kCastToPeersPeers];
+  uint64_t* free_waits[kCastToPeersPeers];
   CastTask casts[kCastToPeersCasts];
   CopyTask copies[kCastToPeersCopies];
   ReduceTask reduces[kCastToPeersReduces];
@@ -54,6 +59,11 @@ __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* word) {
   return value;
 }
 
+// A flag's epoch word against the awaited epoch: equal (a captured run's fixed value) or reached.
+__device__ __forceinline__ bool flag_meets(uint64_t seen, uint64_t epoch, int equal) {
+  return equal ? seen == epoch : static_cast<int64_t>(seen - epoch) >= 0;
+}
+
 // Adds 1 to a CTA counter with acquire-release semantics at GPU scope: what the CTA's thread did
 // before (its flag loads) happens before what the last one to arrive does after (a reset).
 __device__ __forceinline__ unsigned int add_acq_rel_gpu(unsigned int* counter) {
@@ -62,13 +72,40 @@ __device__ __forceinline__ unsigned int add_acq_rel_gpu(unsigned int* counter) {
   return old;
 }
 
-// A flag's epoch word against the awaited epoch: equal (a captured run's fixed value) or reached.
-__device__ __forceinline__ bool flag_meets(uint64_t seen, uint64_t epoch, int equal) {
-  return equal ? seen == epoch : static_cast<int64_t>(seen - epoch) >= 0;
+// The first thread of a CTA spins until every flag of `flags` meets the epoch and carries the tag.
+__device__ __forceinline__ void spin_on(const uint64_t* const* flags, int count, uint64_t epoch,
+                                        uint64_t tag, int equal) {
+  for (int k = 0; k < count; ++k) {
+    unsigned int backoff = 32;
+    while (!flag_meets(load_acquire_system(flags[k]), epoch, equal) ||
+           *reinterpret_cast<const volatile uint64_t*>(flags[k] + 1) != tag) {
+      __nanosleep(backoff);
+      backoff = min(backoff * 2, 256u);
+    }
+  }
 }
 
 // kernels.cuh says what it does and why; FlagWord is {epoch, tag}.
 __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const __grid_constant__ CastToPeersTable table) {
+  // The slot-free handshake, when the kernel takes it (a fused head): one thread signals every
+  // peer; every CTA's first thread waits for every peer before any store into a peer's window.
+  // Everything this stream ran before has completed when the kernel starts, so the signal comes
+  // after every earlier read of the own window's slots.
+  if (table.num_free_signals > 0 && blockIdx.x == 0 && threadIdx.x == 0)
+    for (int k = 0; k < table.num_free_signals; ++k) {
+      *reinterpret_cast<volatile uint64_t*>(table.free_signals[k] + 1) = table.tag;
+      store_release_system(table.free_signals[k], table.epoch);
+    }
+  if (table.num_free_waits > 0) {
+    if (threadIdx.x == 0) {
+      if (blockIdx.x == 0) store_release_system(table.reached, table.free_wait_id);
+      spin_on(table.free_waits, table.num_free_waits, table.epoch, table.tag, table.equal);
+      // Once one CTA has passed, every CTA passes: the flags are reset only after every CTA
+      // has got past them (below).
+      if (blockIdx.x == 0) store_release_system(table.passed, table.free_wait_id);
+    }
+    __syncthreads();
+  }
   int t = 0;
   for (int64_t tile = blockIdx.x; tile < table.cast_tiles; tile += gridDim.x)
     cast_table_tile(table.casts, table.num_casts, tile, t);
@@ -85,6 +122,13 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
       // comes after this one (one executor per window, its runs one at a time), so it finds 0.
       atomicExch(table.arrivals, 0u);
       __threadfence_system();
+      // A captured run resets the slot-free flags it waited on: every CTA has got past them
+      // (each loaded them before its fence and arrival, and the fence above orders this CTA's
+      // stores after every arrival). A peer signals one again only after it has seen this
+      // kernel's data-ready signal below, a release store, which orders the reset before it.
+      if (table.equal)
+        for (int k = 0; k < table.num_free_waits; ++k)
+          *reinterpret_cast<volatile uint64_t*>(table.free_waits[k]) = 0;
       for (int k = 0; k < table.num_signals; ++k) {
         *reinterpret_cast<volatile uint64_t*>(table.signals[k] + 1) = table.tag;
         store_release_system(table.signals[k], table.epoch);
@@ -96,14 +140,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
       if (blockIdx.x == 0) store_release_system(table.reached, table.wait_id);
       // The watchdog releases a stuck wait as it does a stream wait: its copy writes the awaited
       // words into the own flags, which completes while this kernel spins (seen on an H200).
-      for (int k = 0; k < table.num_waits; ++k) {
-        unsigned int backoff = 32;
-        while (!flag_meets(load_acquire_system(table.waits[k]), table.epoch, table.equal) ||
-               *reinterpret_cast<const volatile uint64_t*>(table.waits[k] + 1) != table.tag) {
-          __nanosleep(backoff);
-          backoff = min(backoff * 2, 256u);
-        }
-      }
+      spin_on(table.waits, table.num_waits, table.epoch, table.tag, table.equal);
       // A captured run resets the data-ready flags it waited on once every CTA has passed them:
       // the last CTA to get past does. A peer signals one again only after its next slot-free
       // wait, which needs this rank's next slot-free signal, issued after this kernel ends.
@@ -145,9 +182,16 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
                                 " reduces, ", kCastToPeersSources, " sources in all"));
   TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_cast_to_peers", "arrivals", "null",
                  "the window's CTA counter when the kernel signals");
+  TIDE_CHECK_ARG(spec.num_free_signals <= kCastToPeersPeers && spec.num_free_waits <= kCastToPeersPeers &&
+                     (spec.num_free_waits == 0 || spec.num_signals > 0),
+                 "launch_cast_to_peers", "slot-free handshake",
+                 detail::concat(spec.num_free_signals, " signals, ", spec.num_free_waits, " waits, ",
+                                spec.num_signals, " data-ready signals"),
+                 detail::concat("at most ", kCastToPeersPeers, " of each, and data-ready signals "
+                                "after slot-free waits (the last CTA resets them before it signals)"));
   TIDE_CHECK_ARG(!spec.equal || spec.num_waits == 0 || spec.arrivals, "launch_cast_to_peers",
                  "arrivals", "null", "the window's CTA counters when a captured kernel waits");
-  TIDE_CHECK_ARG(spec.num_waits == 0 || (spec.reached && spec.passed),
+  TIDE_CHECK_ARG((spec.num_waits == 0 && spec.num_free_waits == 0) || (spec.reached && spec.passed),
                  "launch_cast_to_peers", "marks", "null", "the watchdog's marks when the kernel waits");
   CastToPeersTable table{};
   for (std::size_t i = 0; i < spec.num_casts; ++i) {
@@ -182,9 +226,14 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
   table.num_waits = spec.num_waits;
   for (int k = 0; k < spec.num_signals; ++k) table.signals[k] = spec.signals[k];
   for (int k = 0; k < spec.num_waits; ++k) table.waits[k] = spec.waits[k];
+  table.num_free_signals = spec.num_free_signals;
+  table.num_free_waits = spec.num_free_waits;
+  for (int k = 0; k < spec.num_free_signals; ++k) table.free_signals[k] = spec.free_signals[k];
+  for (int k = 0; k < spec.num_free_waits; ++k) table.free_waits[k] = spec.free_waits[k];
   table.epoch = spec.epoch;
   table.tag = spec.tag;
   table.wait_id = spec.wait_id;
+  table.free_wait_id = spec.free_wait_id;
   table.equal = spec.equal ? 1 : 0;
   table.arrivals = spec.arrivals;
   table.departures = spec.arrivals ? spec.arrivals + 1 : nullptr;
