@@ -53,6 +53,16 @@ __device__ __forceinline__ void store_release_system(uint64_t* word, uint64_t va
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
 }
 
+// A watchdog mark (wait_marks.hpp) into mapped pinned host memory: relaxed, not a release. A
+// release store at system scope first orders every earlier write of the thread system-wide (a
+// fence that may wait for the previous mark's write across PCIe to be acknowledged), on the path
+// of CTA 0, whose arrival the data-ready signal waits for. Nothing the watchdog reads needs that
+// order: it polls the marks, and looks at a stuck slot once more a poll later before it gives up
+// (README.md); a store after a spin cannot be performed before the spin has ended.
+__device__ __forceinline__ void store_mark(uint64_t* word, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* word) {
   uint64_t value;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
@@ -98,11 +108,11 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
     }
   if (table.num_free_waits > 0) {
     if (threadIdx.x == 0) {
-      if (blockIdx.x == 0) store_release_system(table.reached, table.free_wait_id);
+      if (blockIdx.x == 0) store_mark(table.reached, table.free_wait_id);
       spin_on(table.free_waits, table.num_free_waits, table.epoch, table.tag, table.equal);
       // Once one CTA has passed, every CTA passes: the flags are reset only after every CTA
       // has got past them (below).
-      if (blockIdx.x == 0) store_release_system(table.passed, table.free_wait_id);
+      if (blockIdx.x == 0) store_mark(table.passed, table.free_wait_id);
     }
     __syncthreads();
   }
@@ -137,7 +147,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
   }
   if (table.num_waits > 0) {
     if (threadIdx.x == 0) {
-      if (blockIdx.x == 0) store_release_system(table.reached, table.wait_id);
+      if (blockIdx.x == 0) store_mark(table.reached, table.wait_id);
       // The watchdog releases a stuck wait as it does a stream wait: its copy writes the awaited
       // words into the own flags, which completes while this kernel spins (seen on an H200).
       spin_on(table.waits, table.num_waits, table.epoch, table.tag, table.equal);
@@ -150,7 +160,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
           *reinterpret_cast<volatile uint64_t*>(const_cast<uint64_t*>(table.waits[k])) = 0;
       }
       // Once one CTA has passed, every CTA passes: a flag moves on only after this kernel ends.
-      if (blockIdx.x == 0) store_release_system(table.passed, table.wait_id);
+      if (blockIdx.x == 0) store_mark(table.passed, table.wait_id);
     }
     __syncthreads();
   }
