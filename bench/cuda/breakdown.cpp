@@ -125,8 +125,16 @@ class OpBench {
     k.push_back({"event record", [this](cudaStream_t s) { BCHECK(cudaEventRecord(plain_event(), s)); }});
     k.push_back({"empty kernel, 1 CTA", [](cudaStream_t s) { launch_empty_kernel(1, s); }});
     k.push_back({"empty kernel, 64 CTAs", [](cudaStream_t s) { launch_empty_kernel(64, s); }});
-    k.push_back({"c2p kernel, empty table", [](cudaStream_t s) {
+    k.push_back({"c2p kernel, empty small table", [](cudaStream_t s) {
                    cuda_kernels::launch_cast_to_peers(cuda_kernels::CastToPeersSpec{}, s);
+                 }});
+    k.push_back({"c2p kernel, empty large table", [this](cudaStream_t s) {
+                   // 9 casts of nothing: past the small table's 8, no tile to run.
+                   std::array<cuda_kernels::CastSpec, 9> none;
+                   none.fill({src_.ptr, dst_.ptr, 0, 0, cuda_kernels::kFP32, cuda_kernels::kBF16});
+                   cuda_kernels::CastToPeersSpec spec;
+                   spec.casts = none.data(), spec.num_casts = none.size();
+                   cuda_kernels::launch_cast_to_peers(spec, s);
                  }});
     k.push_back({"c2p kernel, AG casts only", [this](cudaStream_t s) { ag(s, false, false); }});
     k.push_back({"c2p kernel, AG + self data-ready", [this](cudaStream_t s) { ag(s, true, false); }});

@@ -16,8 +16,14 @@
 namespace tide::cuda_kernels {
 namespace {
 
-// The kernel's table, passed by value as a __grid_constant__ kernel parameter.
+// The kernel's table, passed by value as a __grid_constant__ kernel parameter, in two sizes: a
+// launch's parameters are copied by the host and loaded by the GPU before the kernel starts, and
+// a small collective's table (a few casts or copies, one reduce, a few peers) is under 2 KB of
+// the large one's ~6 KB.
+template <int kCasts, int kCopies, int kReduces, int kSources, int kPeers>
 struct CastToPeersTable {
+  static constexpr int casts_capacity = kCasts, copies_capacity = kCopies;
+  static constexpr int reduces_capacity = kReduces, sources_capacity = kSources, peers_capacity = kPeers;
   int num_casts;
   int num_copies;
   int num_reduces;
@@ -38,16 +44,20 @@ struct CastToPeersTable {
   unsigned int* departures;
   uint64_t* reached;
   uint64_t* passed;
-  uint64_t* signals[kCastToPeersPeers];
-  const uint64_t* waits[kCastToPeersPeers];
-  uint64_t* free_signals[kCastToPeersPeers];
-  uint64_t* free_waits[kCastToPeersPeers];
-  CastTask casts[kCastToPeersCasts];
-  CopyTask copies[kCastToPeersCopies];
-  ReduceTask reduces[kCastToPeersReduces];
-  const void* sources[kCastToPeersSources];
+  uint64_t* signals[kPeers];
+  const uint64_t* waits[kPeers];
+  uint64_t* free_signals[kPeers];
+  uint64_t* free_waits[kPeers];
+  CastTask casts[kCasts];
+  CopyTask copies[kCopies];
+  ReduceTask reduces[kReduces];
+  const void* sources[kSources];
 };
-static_assert(sizeof(CastToPeersTable) <= kMaxParamBytes, "cast-to-peers kernel table exceeds the kernel parameter limit");
+using LargeCastToPeersTable = CastToPeersTable<kCastToPeersCasts, kCastToPeersCopies, kCastToPeersReduces,
+                                               kCastToPeersSources, kCastToPeersPeers>;
+using SmallCastToPeersTable = CastToPeersTable<8, 8, 4, 16, 8>;
+static_assert(sizeof(LargeCastToPeersTable) <= kMaxParamBytes, "cast-to-peers kernel table exceeds the kernel parameter limit");
+static_assert(sizeof(SmallCastToPeersTable) <= 2048, "the small cast-to-peers table is meant to be small");
 
 __device__ __forceinline__ void store_release_system(uint64_t* word, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
@@ -96,7 +106,8 @@ __device__ __forceinline__ void spin_on(const uint64_t* const* flags, int count,
 }
 
 // kernels.cuh says what it does and why; FlagWord is {epoch, tag}.
-__global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const __grid_constant__ CastToPeersTable table) {
+template <class Table>
+__global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const __grid_constant__ Table table) {
   // The slot-free handshake, when the kernel takes it (a fused head): one thread signals every
   // peer; every CTA's first thread waits for every peer before any store into a peer's window.
   // Everything this stream ran before has completed when the kernel starts, so the signal comes
@@ -169,41 +180,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
     reduce_table_tile(table.reduces, table.num_reduces, table.sources, table.num_sources, tile, t);
 }
 
-}  // namespace
-
-void preload_cast_to_peers_kernel() { preload_kernel(reinterpret_cast<const void*>(cast_to_peers_kernel)); }
-
-bool cast_to_peers_fits(std::size_t casts, std::size_t copies, int signals, int waits,
-                  std::size_t reduces, int num_sources) {
-  return casts <= kCastToPeersCasts && copies <= kCastToPeersCopies && signals <= kCastToPeersPeers &&
-         waits <= kCastToPeersPeers && reduces <= kCastToPeersReduces &&
-         reduces * static_cast<std::size_t>(num_sources) <= kCastToPeersSources;
-}
-
-LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream) {
-  TIDE_CHECK_ARG(cast_to_peers_fits(spec.num_casts, spec.num_copies, spec.num_signals, spec.num_waits,
-                              spec.num_reduces, spec.num_sources),
-                 "launch_cast_to_peers", "spec",
-                 detail::concat(spec.num_casts, " casts, ", spec.num_copies, " copies, ",
-                                spec.num_signals, " signals, ", spec.num_waits, " waits, ",
-                                spec.num_reduces, " reduces of ", spec.num_sources, " sources"),
-                 detail::concat("at most ", kCastToPeersCasts, " casts, ", kCastToPeersCopies, " copies, ",
-                                kCastToPeersPeers, " signals and waits, ", kCastToPeersReduces,
-                                " reduces, ", kCastToPeersSources, " sources in all"));
-  TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_cast_to_peers", "arrivals", "null",
-                 "the window's CTA counter when the kernel signals");
-  TIDE_CHECK_ARG(spec.num_free_signals <= kCastToPeersPeers && spec.num_free_waits <= kCastToPeersPeers &&
-                     (spec.num_free_waits == 0 || spec.num_signals > 0),
-                 "launch_cast_to_peers", "slot-free handshake",
-                 detail::concat(spec.num_free_signals, " signals, ", spec.num_free_waits, " waits, ",
-                                spec.num_signals, " data-ready signals"),
-                 detail::concat("at most ", kCastToPeersPeers, " of each, and data-ready signals "
-                                "after slot-free waits (the last CTA resets them before it signals)"));
-  TIDE_CHECK_ARG(!spec.equal || spec.num_waits == 0 || spec.arrivals, "launch_cast_to_peers",
-                 "arrivals", "null", "the window's CTA counters when a captured kernel waits");
-  TIDE_CHECK_ARG((spec.num_waits == 0 && spec.num_free_waits == 0) || (spec.reached && spec.passed),
-                 "launch_cast_to_peers", "marks", "null", "the watchdog's marks when the kernel waits");
-  CastToPeersTable table{};
+// Fills the table of `spec` (checked to fit) and launches the kernel.
+template <class Table>
+int launch_table(const CastToPeersSpec& spec, cudaStream_t stream) {
+  Table table{};
   for (std::size_t i = 0; i < spec.num_casts; ++i) {
     const CastSpec& c = spec.casts[i];
     if (c.count + c.pad == 0) continue;
@@ -255,8 +235,58 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
   const int64_t cap = std::max(1, sm_count() / std::max(1, spec.ranks_on_gpu));
   const int64_t tiles = std::max({table.cast_tiles, table.copy_tiles, table.reduce_tiles, int64_t{1}});
   void* args[] = {&table};
-  return {1, launch_kernel(reinterpret_cast<const void*>(cast_to_peers_kernel),
-                           static_cast<int>(std::min(tiles, cap)), args, stream, "cast_to_peers_kernel")};
+  return launch_kernel(reinterpret_cast<const void*>(cast_to_peers_kernel<Table>),
+                       static_cast<int>(std::min(tiles, cap)), args, stream, "cast_to_peers_kernel");
+}
+
+// Whether `spec` fits Table (its zero-sized casts, copies and reduces counted too).
+template <class Table>
+bool fits_table(const CastToPeersSpec& spec) {
+  const int peers = std::max({spec.num_signals, spec.num_waits, spec.num_free_signals, spec.num_free_waits});
+  return spec.num_casts <= Table::casts_capacity && spec.num_copies <= Table::copies_capacity &&
+         spec.num_reduces <= Table::reduces_capacity && peers <= Table::peers_capacity &&
+         spec.num_reduces * static_cast<std::size_t>(spec.num_sources) <= Table::sources_capacity;
+}
+
+}  // namespace
+
+void preload_cast_to_peers_kernel() {
+  preload_kernel(reinterpret_cast<const void*>(cast_to_peers_kernel<SmallCastToPeersTable>));
+  preload_kernel(reinterpret_cast<const void*>(cast_to_peers_kernel<LargeCastToPeersTable>));
+}
+
+bool cast_to_peers_fits(std::size_t casts, std::size_t copies, int signals, int waits,
+                  std::size_t reduces, int num_sources) {
+  return casts <= kCastToPeersCasts && copies <= kCastToPeersCopies && signals <= kCastToPeersPeers &&
+         waits <= kCastToPeersPeers && reduces <= kCastToPeersReduces &&
+         reduces * static_cast<std::size_t>(num_sources) <= kCastToPeersSources;
+}
+
+LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream) {
+  TIDE_CHECK_ARG(cast_to_peers_fits(spec.num_casts, spec.num_copies, spec.num_signals, spec.num_waits,
+                              spec.num_reduces, spec.num_sources),
+                 "launch_cast_to_peers", "spec",
+                 detail::concat(spec.num_casts, " casts, ", spec.num_copies, " copies, ",
+                                spec.num_signals, " signals, ", spec.num_waits, " waits, ",
+                                spec.num_reduces, " reduces of ", spec.num_sources, " sources"),
+                 detail::concat("at most ", kCastToPeersCasts, " casts, ", kCastToPeersCopies, " copies, ",
+                                kCastToPeersPeers, " signals and waits, ", kCastToPeersReduces,
+                                " reduces, ", kCastToPeersSources, " sources in all"));
+  TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_cast_to_peers", "arrivals", "null",
+                 "the window's CTA counter when the kernel signals");
+  TIDE_CHECK_ARG(spec.num_free_signals <= kCastToPeersPeers && spec.num_free_waits <= kCastToPeersPeers &&
+                     (spec.num_free_waits == 0 || spec.num_signals > 0),
+                 "launch_cast_to_peers", "slot-free handshake",
+                 detail::concat(spec.num_free_signals, " signals, ", spec.num_free_waits, " waits, ",
+                                spec.num_signals, " data-ready signals"),
+                 detail::concat("at most ", kCastToPeersPeers, " of each, and data-ready signals "
+                                "after slot-free waits (the last CTA resets them before it signals)"));
+  TIDE_CHECK_ARG(!spec.equal || spec.num_waits == 0 || spec.arrivals, "launch_cast_to_peers",
+                 "arrivals", "null", "the window's CTA counters when a captured kernel waits");
+  TIDE_CHECK_ARG((spec.num_waits == 0 && spec.num_free_waits == 0) || (spec.reached && spec.passed),
+                 "launch_cast_to_peers", "marks", "null", "the watchdog's marks when the kernel waits");
+  return {1, fits_table<SmallCastToPeersTable>(spec) ? launch_table<SmallCastToPeersTable>(spec, stream)
+                                                     : launch_table<LargeCastToPeersTable>(spec, stream)};
 }
 
 }  // namespace tide::cuda_kernels
