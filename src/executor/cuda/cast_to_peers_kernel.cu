@@ -22,8 +22,6 @@ namespace {
 // the large one's ~6 KB.
 template <int kCasts, int kCopies, int kReduces, int kSources, int kPeers>
 struct CastToPeersTable {
-  static constexpr int casts_capacity = kCasts, copies_capacity = kCopies;
-  static constexpr int reduces_capacity = kReduces, sources_capacity = kSources, peers_capacity = kPeers;
   int num_casts;
   int num_copies;
   int num_reduces;
@@ -72,6 +70,11 @@ __device__ __forceinline__ void store_release_system(uint64_t* word, uint64_t va
 __device__ __forceinline__ void store_mark(uint64_t* word, uint64_t value) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
 }
+
+// An acquire-release fence at system scope: what message passing needs (the CTA's stores, then
+// its arrival; the last arrival, then the signal), without the single total order of a
+// sequentially consistent fence (__threadfence_system() is membar.sys, i.e. fence.sc.sys).
+__device__ __forceinline__ void fence_acq_rel_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* word) {
   uint64_t value;
@@ -135,14 +138,17 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
     copy_table_tile(table.copies, table.num_copies, tile, t);
   if (table.num_signals > 0) {
     // The CTA's stores, peers' windows included, before its arrival: the barrier, then one
-    // system-wide fence by the thread that arrives (cumulative over the barrier, as a grid sync).
+    // system-wide release fence by the thread that arrives (cumulative over the barrier, as a
+    // grid sync), which with the arrival below makes a release pattern; the last CTA's arrival
+    // and its fence make the matching acquire pattern, so every CTA's stores precede the
+    // signals in causality order, and so a peer's acquire load that sees a signal sees them.
     __syncthreads();
-    if (threadIdx.x == 0) __threadfence_system();
+    if (threadIdx.x == 0) fence_acq_rel_system();
     if (threadIdx.x == 0 && atomicAdd(table.arrivals, 1u) + 1 == gridDim.x) {
       // The last CTA: every other CTA fenced before it arrived. The next launch on this window
       // comes after this one (one executor per window, its runs one at a time), so it finds 0.
       atomicExch(table.arrivals, 0u);
-      __threadfence_system();
+      fence_acq_rel_system();
       // A captured run resets the slot-free flags it waited on: every CTA has got past them
       // (each loaded them before its fence and arrival, and the fence above orders this CTA's
       // stores after every arrival). A peer signals one again only after it has seen this
@@ -239,13 +245,14 @@ int launch_table(const CastToPeersSpec& spec, cudaStream_t stream) {
                        static_cast<int>(std::min(tiles, cap)), args, stream, "cast_to_peers_kernel");
 }
 
-// Whether `spec` fits Table (its zero-sized casts, copies and reduces counted too).
-template <class Table>
-bool fits_table(const CastToPeersSpec& spec) {
+// Whether `spec` fits a table of these capacities (its zero-sized casts, copies and reduces
+// counted too).
+template <int kCasts, int kCopies, int kReduces, int kSources, int kPeers>
+bool fits_table(const CastToPeersSpec& spec, const CastToPeersTable<kCasts, kCopies, kReduces, kSources, kPeers>*) {
   const int peers = std::max({spec.num_signals, spec.num_waits, spec.num_free_signals, spec.num_free_waits});
-  return spec.num_casts <= Table::casts_capacity && spec.num_copies <= Table::copies_capacity &&
-         spec.num_reduces <= Table::reduces_capacity && peers <= Table::peers_capacity &&
-         spec.num_reduces * static_cast<std::size_t>(spec.num_sources) <= Table::sources_capacity;
+  return spec.num_casts <= std::size_t{kCasts} && spec.num_copies <= std::size_t{kCopies} &&
+         spec.num_reduces <= std::size_t{kReduces} && peers <= kPeers &&
+         spec.num_reduces * static_cast<std::size_t>(spec.num_sources) <= std::size_t{kSources};
 }
 
 }  // namespace
@@ -285,7 +292,7 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
                  "arrivals", "null", "the window's CTA counters when a captured kernel waits");
   TIDE_CHECK_ARG((spec.num_waits == 0 && spec.num_free_waits == 0) || (spec.reached && spec.passed),
                  "launch_cast_to_peers", "marks", "null", "the watchdog's marks when the kernel waits");
-  return {1, fits_table<SmallCastToPeersTable>(spec) ? launch_table<SmallCastToPeersTable>(spec, stream)
+  return {1, fits_table(spec, static_cast<const SmallCastToPeersTable*>(nullptr)) ? launch_table<SmallCastToPeersTable>(spec, stream)
                                                      : launch_table<LargeCastToPeersTable>(spec, stream)};
 }
 
