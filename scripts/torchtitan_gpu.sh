@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # torchtitan's own trainer with TIDE, captured, with validation, on ONE GPU: 2 ranks as processes
 # sharing it. torchtitan 0.3.0's debug model (`--module tide.torchtitan --config llama3_debugmodel`)
-# with its defaults (CUDA graphs on, its default reshard policy, its default DTensor backend), a
-# seed, validation every --val-freq steps (and at step 1, as torchtitan does) for --val-steps
-# steps; then the same run with --training.disable_cuda_graphs. Every logged training loss and
-# gradient norm and every validation loss must be bitwise equal, and every param group TIDE's on
-# every rank. The last line says so:
+# with its defaults (CUDA graphs on, its default reshard policy; the partial_dtensor backend, as
+# its default one does not run: see common_args), a seed, validation every --val-freq steps (and
+# at step 1, as torchtitan does) for --val-steps steps; then the same run with
+# --training.disable_cuda_graphs. Every logged training loss and gradient norm and every
+# validation loss must be bitwise equal, and every param group TIDE's on every rank. The last line says so:
 #   torchtitan captured vs uncaptured: PASS (10 train steps, 6 validations, bitwise, ...)
 # or FAIL with the first differing value. Where values differ, the uncaptured run runs once more
 # (the control): if it does not reproduce itself either, the difference is not the capture's, and
@@ -101,9 +101,14 @@ else
   LABEL="torchtitan captured vs uncaptured"
   DOCS=4000  # about 0.9 M tokens: 10 steps of 8 x 2048 tokens on each of 2 ranks
 fi
-# The trainer's arguments, apart from the mode's; both runs get the same.
+# The trainer's arguments, apart from the mode's; both runs get the same. The DTensor backend is
+# partial_dtensor, not torchtitan 0.3.0's default spmd_types: with that one its parallelize passes
+# fully_shard dp_mesh_dims over parameters it left plain, and torch 2.13's fully_shard refuses them
+# ("all parameters must be DTensors on the full SPMD mesh"), stock as with TIDE (TIDE is enabled
+# later); tests/python/test_torchtitan.py runs partial_dtensor and full_dtensor. `-- FLAGS` come
+# last and override it.
 common_args() {
-  printf '%s\n' --module tide.torchtitan --config llama3_debugmodel \
+  printf '%s\n' --module tide.torchtitan --config llama3_debugmodel --parallelism.spmd_backend partial_dtensor \
     --hf_assets_path "$ASSETS/tokenizer" --dataloader.dataset_path "$ASSETS/c4_test" \
     --training.steps "$STEPS" --metrics.log_freq 1 --debug.seed 42 --checkpoint.no-enable \
     --validator.enable --validator.freq "$VAL_FREQ" --validator.steps "$VAL_STEPS" \

@@ -10,8 +10,9 @@
 # torchtitan's other dependencies are not needed for that import. Its trainer (`torchtitan.train`,
 # which scripts/torchtitan_gpu.sh runs) imports more: torchdata, tokenizers (compiled: the wheel for
 # TITAN_PLATFORM, default manylinux2014_x86_64, and Python TITAN_PYTHON_VERSION, default 3.12, the
-# GPU machine's) and tensorboard (torchtitan imports its SummaryWriter; with protobuf and absl-py);
-# those go to build-titan/trainer/, which only scripts/torchtitan_gpu.sh puts on PYTHONPATH, so
+# GPU machine's), tensorboard (torchtitan imports its SummaryWriter; with protobuf and absl-py) and
+# typeguard (tyro checks the trainer's arguments with it; with the typing_extensions it needs).
+# Those go to build-titan/trainer/, which only scripts/torchtitan_gpu.sh puts on PYTHONPATH, so
 # nothing else sees their versions. `datasets` (pyarrow, pandas: too large to carry) is not
 # carried: tests/python/torchtitan_shared_gpu.py stands in for it where it is not installed.
 # Versions are pinned to what was checked to import: the wrapper and torchao on torch 2.11 and
@@ -27,7 +28,8 @@ trap 'rm -rf "$wheels"' EXIT
   "tyro==1.0.17" "docstring_parser==0.18.0" "torchao==0.18.0"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --platform "${TITAN_PLATFORM:-manylinux2014_x86_64}" \
   --python-version "${TITAN_PYTHON_VERSION:-3.12}" --implementation cp -d "$wheels/trainer" \
-  "torchdata==0.11.0" "tokenizers==0.23.3" "tensorboard==2.21.0" "protobuf==7.36.2" "absl-py==2.5.1"
+  "torchdata==0.11.0" "tokenizers==0.23.3" "tensorboard==2.21.0" "protobuf==7.36.2" "absl-py==2.5.1" \
+  "typeguard==4.6.1" "typing_extensions==4.16.0"
 rm -rf "$dest" && mkdir -p "$dest/trainer"
 for w in "$wheels"/*.whl; do
   "$PY" -m zipfile -e "$w" "$dest"
