@@ -28,7 +28,9 @@
 # gate can run as several invocations on the same machine; the verdict line counts a stage that has
 # not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/). In two
 # invocations of under ten minutes each on one H200: `build python+bench` (300-440 s), then
-# `cpp sanitize verdict` (~370 s; cpp's tests outrun their 420 s bound beside python and bench).
+# `cpp sanitize verdict` (~370 s; cpp's tests outrun their 420 s bound beside python and bench);
+# titan (not yet timed: two or three torchtitan runs, RUN_TIMEOUT seconds each at most) in one of
+# its own, before the verdict.
 # A fresh machine has no records: carry $GATE_DIR with the tree (records count for their digest).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
