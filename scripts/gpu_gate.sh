@@ -12,6 +12,10 @@
 #            users do between replays), test_fsdp_cuda.py (skips without 2 GPUs),
 #            the CLI tests
 #   bench    tide-bench fsdp with its defaults, then with --cuda-graphs (on one GPU: 2 ranks sharing it)
+#   titan    torchtitan's own trainer with --module tide.torchtitan on this GPU, 2 ranks sharing it:
+#            captured (its default) with validation vs --training.disable_cuda_graphs, training and
+#            validation losses bitwise (scripts/torchtitan_gpu.sh); needs build-titan/ with its
+#            trainer/ folder (scripts/torchtitan_wrapper.sh), and fails saying so without it
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
 #
 #   scripts/gpu_gate.sh [stage ...]     (default: every stage, in that order)
@@ -24,7 +28,9 @@
 # gate can run as several invocations on the same machine; the verdict line counts a stage that has
 # not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/). In two
 # invocations of under ten minutes each on one H200: `build python+bench` (300-440 s), then
-# `cpp sanitize verdict` (~370 s; cpp's tests outrun their 420 s bound beside python and bench).
+# `cpp sanitize verdict` (~370 s; cpp's tests outrun their 420 s bound beside python and bench);
+# titan (not yet timed: two or three torchtitan runs, RUN_TIMEOUT seconds each at most) in one of
+# its own, before the verdict.
 # A fresh machine has no records: carry $GATE_DIR with the tree (records count for their digest).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -36,7 +42,7 @@ GATE_DIR=${GATE_DIR:-$ROOT/build-gate}
 mkdir -p "$OUT" "$GATE_DIR"
 # Absolute: stages run their commands from /tmp, where a relative OUT names another folder.
 OUT=$(cd "$OUT" && pwd) GATE_DIR=$(cd "$GATE_DIR" && pwd)
-STAGES=(build cpp python bench sanitize)
+STAGES=(build cpp python bench titan sanitize)
 PY=${PYTHON:-python3}
 say() { echo "== gate: $*"; }
 record() { printf '%s\n%s\n' "$2" "$DIGEST" >"$GATE_DIR/$1"; say "$1: $2"; }
@@ -174,6 +180,27 @@ EOF
   [[ $rc == 0 ]] && record bench "PASS ($summary)" || record bench "FAIL ($summary)"
 }
 
+stage_titan() {
+  # The README's GPU recipe as a user runs it: torchtitan's trainer, captured, validating between
+  # replays, against the same run uncaptured (scripts/torchtitan_gpu.sh prints one verdict line).
+  local titan="${TIDE_TITAN_PATH:-$ROOT/build-titan}"
+  if [[ ! -d $titan/trainer ]]; then
+    record titan "FAIL (not run: no $titan/trainer, the trainer's packages: scripts/torchtitan_wrapper.sh makes it)"
+    return
+  fi
+  (cd "$ROOT" && TIDE_TITAN_PATH="$titan" PYTHON="$PY" bash scripts/torchtitan_gpu.sh --out "$OUT/titan") \
+    >"$OUT/gate_titan.log" 2>&1
+  local rc=$? line
+  tail -25 "$OUT/gate_titan.log"
+  line=$(grep -E "^torchtitan captured vs uncaptured: (PASS|FAIL)" "$OUT/gate_titan.log" | tail -1)
+  line=${line#torchtitan captured vs uncaptured: }
+  if [[ $rc == 0 && $line == PASS* ]]; then
+    record titan "PASS (captured vs uncaptured: ${line#PASS (}"
+  else
+    record titan "FAIL (exit $rc: ${line:-no verdict line; see gate_titan.log})"
+  fi
+}
+
 stage_sanitize() {
   # The three tools side by side when the cpp stage built the binaries (each checks one process at
   # a time; the GPU has room for three): a third of the wall time. One after another otherwise, as
@@ -221,7 +248,7 @@ if [[ $# == 0 ]]; then
 fi
 # The sources do not change while the gate runs: their digest, once.
 DIGEST=$(sources_digest)
-usage() { echo "usage: $0 [build|cpp|python|bench|sanitize|verdict|digest|a+b ...]"; exit 2; }
+usage() { echo "usage: $0 [build|cpp|python|bench|titan|sanitize|verdict|digest|a+b ...]"; exit 2; }
 is_stage() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 rc=0
 for stage in "$@"; do
@@ -236,7 +263,7 @@ for stage in "$@"; do
     continue
   fi
   case "$stage" in
-    build|cpp|python|bench|sanitize) "stage_$stage" ;;
+    build|cpp|python|bench|titan|sanitize) "stage_$stage" ;;
     verdict) verdict || rc=1 ;;
     digest) echo "$DIGEST" ;;
     *) usage ;;

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GATE = ROOT / "scripts" / "gpu_gate.sh"
-STAGES = ("build", "cpp", "python", "bench", "sanitize")
+STAGES = ("build", "cpp", "python", "bench", "titan", "sanitize")
 
 
 def gate(script: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -43,7 +43,7 @@ def test_every_stage_passed_on_these_sources_is_a_pass(tmp_path, digest):
         record(tmp_path, s, f"PASS ({s} detail)", digest)
     out = gate(GATE, tmp_path, "verdict")
     assert out.returncode == 0, out.stdout
-    assert out.stdout.startswith("GPU GATE PASS: build PASS, cpp PASS, python PASS, bench PASS, sanitize PASS")
+    assert out.stdout.startswith("GPU GATE PASS: build PASS, cpp PASS, python PASS, bench PASS, titan PASS, sanitize PASS")
     assert "  cpp: PASS (cpp detail)" in out.stdout
 
 
@@ -129,3 +129,48 @@ def test_the_python_stage_names_the_wrapper_that_stepped_captured_steps(tmp_path
     assert out.returncode == 0, out.stdout + out.stderr  # the stage ran; its result is recorded
     result = (tmp_path / "gate" / "python").read_text().splitlines()[0]
     assert result.startswith("FAIL") and wrapper in result, result
+
+
+def titan_gate(tmp_path: Path, verdict: str | None, rc: int) -> Path:
+    """A copy of the script beside a stand-in scripts/torchtitan_gpu.sh that prints `verdict` (if
+    any) and exits `rc`, and a build-titan/trainer/ folder for the titan stage to find."""
+    scripts = tmp_path / "root" / "scripts"
+    scripts.mkdir(parents=True)
+    (scripts / "gpu_gate.sh").write_text(GATE.read_text())
+    (scripts / "torchtitan_gpu.sh").write_text(
+        "echo \"== args: $*\"\n" + (f"echo '{verdict}'\n" if verdict else "") + f"exit {rc}\n")
+    (tmp_path / "root" / "build-titan" / "trainer").mkdir(parents=True)
+    return scripts / "gpu_gate.sh"
+
+
+@pytest.mark.parametrize("verdict, rc, result", [
+    ("torchtitan captured vs uncaptured: PASS (10 train steps, 6 validations, bitwise)", 0,
+     "PASS (captured vs uncaptured: 10 train steps, 6 validations, bitwise)"),
+    ("torchtitan captured vs uncaptured: FAIL (validation loss at step 4, rank 0: ...)", 1,
+     "FAIL (exit 1: FAIL (validation loss at step 4, rank 0: ...))"),
+    (None, 1, "FAIL (exit 1: no verdict line; see gate_titan.log)"),
+    ("torchtitan captured vs uncaptured: PASS (a line the exit status contradicts)", 3, "FAIL (exit 3: PASS"),
+])
+def test_the_titan_stage_records_the_verdict_of_torchtitan_gpu(tmp_path, verdict, rc, result):
+    script = titan_gate(tmp_path, verdict, rc)
+    out = gate(script, tmp_path, "titan")
+    assert out.returncode == 0, out.stdout + out.stderr  # the stage ran; its result is recorded
+    recorded = (tmp_path / "gate" / "titan").read_text().splitlines()[0]
+    assert recorded.startswith(result), recorded
+    assert f"--out {tmp_path / 'out' / 'titan'}" in (tmp_path / "out" / "gate_titan.log").read_text()
+
+
+def test_the_titan_stage_without_the_trainer_packages_fails_naming_the_script(tmp_path):
+    script = stand_in_gate(tmp_path, {})  # stand-ins for the other stages; titan's own code here
+    text = script.read_text()
+    script.write_text(text.replace('stage_titan() {\n  echo ran titan; record titan "PASS (stand-in)"; return\n',
+                                   "stage_titan() {\n"))
+    env = dict(os.environ, GATE_DIR=str(tmp_path / "gate"), OUT=str(tmp_path / "out"),
+               TIDE_TITAN_PATH=str(tmp_path / "no-titan"))
+    out = subprocess.run(["bash", str(script), "titan", "verdict"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1, out.stdout
+    recorded = (tmp_path / "gate" / "titan").read_text().splitlines()[0]
+    assert recorded.startswith("FAIL (not run: no ") and "scripts/torchtitan_wrapper.sh" in recorded, recorded
+    verdict = next(line for line in out.stdout.splitlines() if line.startswith("GPU GATE"))
+    assert verdict.startswith("GPU GATE FAIL:") and "titan FAIL" in verdict, verdict

@@ -8,10 +8,11 @@ what it saw as JSON.
 TEST-ONLY. The "CPU shims" (1-2 below at import, 3-5 applied to whatever config --module/--config
 loads) exist because torchtitan 0.3.0 itself (TIDE off too) assumes a GPU; none of them touches
 TIDE, and stock and TIDE runs get the same ones. TIDE_TITAN_FORCE_SUM=0 leaves out shim 4 (only
-for runs where TIDE takes every reduce-scatter). The driver only records (losses, gradient norms,
-a hash of the final parameter shards, TIDE's handle); it changes nothing else. `make_assets`
-writes the small tokenizer and text data set that torchtitan's debug config reads from its source
-tree's tests/assets (not in the wheel), since nothing can be downloaded here.
+for runs where TIDE takes every reduce-scatter). The driver (record_and_run) only records (losses,
+gradient norms, validation losses, a hash of the final parameter shards, TIDE's handle); it changes
+nothing else; tests/python/torchtitan_shared_gpu.py runs it on one GPU. `make_assets` writes the
+small tokenizer and text data set that torchtitan's debug config reads from its source tree's
+tests/assets (not in the wheel), since nothing can be downloaded here.
 """
 
 from __future__ import annotations
@@ -156,19 +157,27 @@ def make_assets(root: str, vocab: int = 2000, docs: int = 400, seed: int = 0) ->
 
 
 # ------------------------------------------------------------------------------------------ driver
-def main():
-    install_config_shims()
+def record_and_run() -> None:
+    """torchtitan.train.main() (what ``-m torchtitan.train`` runs), recording what the trainer
+    logs: every logged step's loss and gradient norm, every validation's loss (float.hex, so a
+    comparison is bitwise), a hash of the final parameter shards and TIDE's handle; written to
+    $TIDE_TITAN_OUT.rank<RANK> as JSON when that is set. Changes nothing the trainer does."""
     from torchtitan import train
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.trainer import Trainer
 
-    seen = {"losses": [], "grad_norms": [], "params_sha256": None}
-    log = MetricsProcessor.log
+    seen = {"losses": [], "grad_norms": [], "steps": [], "validation": [], "params_sha256": None}
+    log, log_validation = MetricsProcessor.log, MetricsProcessor.log_validation
 
     def record(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+        seen["steps"].append(step)
         seen["losses"].append(float(global_avg_loss).hex())
         seen["grad_norms"].append(float(grad_norm).hex())
         return log(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
+
+    def record_validation(self, loss, step, *args, **kwargs):
+        seen["validation"].append([step, float(loss).hex()])
+        return log_validation(self, loss, step, *args, **kwargs)
 
     close = Trainer.close
 
@@ -178,7 +187,7 @@ def main():
             for name, p in part.named_parameters():
                 local = p.to_local() if hasattr(p, "to_local") else p
                 digest.update(name.encode())
-                digest.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+                digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             handle = getattr(part, "tide_handle", None)
             if handle is not None:
                 seen.setdefault("tide", []).append({
@@ -189,12 +198,18 @@ def main():
         return close(self)
 
     MetricsProcessor.log = record
+    MetricsProcessor.log_validation = record_validation
     Trainer.close = close_and_hash
     train.main()
     out = os.environ.get("TIDE_TITAN_OUT")
     if out:
         with open(f"{out}.rank{os.environ.get('RANK', '0')}", "w") as f:
             json.dump(seen, f, indent=1)
+
+
+def main():
+    install_config_shims()
+    record_and_run()
 
 
 if __name__ == "__main__":
