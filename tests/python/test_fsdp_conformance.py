@@ -7,6 +7,7 @@ sum of two numbers, so parameters must be bitwise equal to stock's."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -113,6 +114,37 @@ def test_ranks_that_disagree_get_desync_error_on_every_rank():
         assert isinstance(r, tide.DesyncError), f"rank {rank}: {r!r}"
         assert "disagree on param group" in str(r) and "group rank 1 (global 1)" in str(r), str(r)
     assert str(results[0]) == str(results[1])  # the same diagnosis on every rank
+
+
+def test_exception_on_one_rank_inside_enable_is_raised_on_every_rank():
+    """rank 1's norm weight gets an fsdp_pre_all_gather that raises: enable's probe raises there
+    alone, and every rank raises the same DesyncError naming rank 1 and the error at once, rank 1
+    chaining its own (not the other rank's TimeoutError after timeout_ms)."""
+    timeout_ms = 20000
+
+    def refuse(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP2's signature (v2)
+        raise ValueError("refused on purpose")
+
+    def rank_fn(rank):
+        model = make()
+        if rank == 1:
+            local = model.norm.weight._local_tensor
+            local.fsdp_pre_all_gather = local.fsdp_post_all_gather = refuse.__get__(local)
+        start = time.monotonic()
+        try:
+            tide.fsdp.enable(model, timeout_ms=timeout_ms)
+        except Exception as e:  # noqa: BLE001 - checked below
+            return e, time.monotonic() - start
+        return None, time.monotonic() - start
+
+    results = threaded_world.run(2, rank_fn)
+    for rank, (error, seconds) in enumerate(results):
+        assert isinstance(error, tide.DesyncError), f"rank {rank}: {error!r}"
+        assert str(error).startswith("tide.fsdp.enable: global rank 1 raised ValueError at param group "
+                                     "<root>: refused on purpose;"), str(error)
+        assert seconds < timeout_ms / 1000, f"rank {rank} waited {seconds} s: {error!r}"
+    assert str(results[0][0]) == str(results[1][0])
+    assert isinstance(results[1][0].__cause__, ValueError), repr(results[1][0].__cause__)
 
 
 def test_shapes_that_differ_name_the_param():
