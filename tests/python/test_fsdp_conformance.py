@@ -1,13 +1,16 @@
 """tide.fsdp among everything else that touches FSDP2 (issue 15), on CPU with ranks as threads of
 one process (FSDP2's multi-threaded tests' world: the "threaded" backend). Every case trains the
 same model with stock FSDP2 and with TIDE and compares, and asserts that TIDE handled the groups:
-the counts on its handle moved and FSDP2's layout copies did not run. At W = 2 every reduction is a
-sum of two numbers, so parameters must be bitwise equal to stock's."""
+the counts on its handle moved and FSDP2's layout copies did not run. Parameters must be bitwise
+equal to stock's: at W = 2 every reduction is a sum of two numbers, and at W = 4 (2 x 2 for HSDP)
+the threaded backend sums the ranks' gradients in rank order as TIDE does, dividing by a power of
+two (fsdp_harness.compare)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -93,17 +96,17 @@ STEP_COUNTS = _step_counts()
 GROUPS = 6  # make()'s: the root and its 5 blocks
 
 
-def compare(world, build, train_kwargs=None, before_train=None, tol=0.0):
+def compare(world, build, train_kwargs=None, before_train=None):
     """fsdp_harness.compare with this module's train(**train_kwargs) and make()'s groups."""
     return h.compare(world, build, lambda model: train(model, **(train_kwargs or {})), GROUPS,
-                     tol=tol, before_train=before_train)
+                     before_train=before_train)
 
 
 # --- ranks as threads ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("world, tol", [(2, 0.0), (4, 1e-6)])
-def test_threaded_ranks_match_stock(world, tol):
-    compare(world, make, tol=tol)
+@pytest.mark.parametrize("world", [2, 4])
+def test_threaded_ranks_match_stock(world):
+    compare(world, make)
 
 
 def test_ranks_that_disagree_get_desync_error_on_every_rank():
@@ -116,6 +119,37 @@ def test_ranks_that_disagree_get_desync_error_on_every_rank():
         assert isinstance(r, tide.DesyncError), f"rank {rank}: {r!r}"
         assert "disagree on param group" in str(r) and "group rank 1 (global 1)" in str(r), str(r)
     assert str(results[0]) == str(results[1])  # the same diagnosis on every rank
+
+
+def test_exception_on_one_rank_inside_enable_is_raised_on_every_rank():
+    """rank 1's norm weight gets an fsdp_pre_all_gather that raises: enable's probe raises there
+    alone, and every rank raises the same DesyncError naming rank 1 and the error at once, rank 1
+    chaining its own (not the other rank's TimeoutError after timeout_ms)."""
+    timeout_ms = 20000
+
+    def refuse(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP2's signature (v2)
+        raise ValueError("refused on purpose")
+
+    def rank_fn(rank):
+        model = make()
+        if rank == 1:
+            local = model.norm.weight._local_tensor
+            local.fsdp_pre_all_gather = local.fsdp_post_all_gather = refuse.__get__(local)
+        start = time.monotonic()
+        try:
+            tide.fsdp.enable(model, timeout_ms=timeout_ms)
+        except Exception as e:  # noqa: BLE001 - checked below
+            return e, time.monotonic() - start
+        return None, time.monotonic() - start
+
+    results = threaded_world.run(2, rank_fn)
+    for rank, (error, seconds) in enumerate(results):
+        assert isinstance(error, tide.DesyncError), f"rank {rank}: {error!r}"
+        assert str(error).startswith("tide.fsdp.enable: global rank 1 raised ValueError at param group "
+                                     "<root>: refused on purpose;"), str(error)
+        assert seconds < timeout_ms / 1000, f"rank {rank} waited {seconds} s: {error!r}"
+    assert str(results[0][0]) == str(results[1][0])
+    assert isinstance(results[1][0].__cause__, ValueError), repr(results[1][0].__cause__)
 
 
 def test_shapes_that_differ_name_the_param():
@@ -639,8 +673,8 @@ def test_hsdp_2x2_with_and_without_all_reduce():
         model.set_requires_all_reduce(all_reduce)
         return model
 
-    compare(4, build, tol=1e-6)
-    compare(4, lambda: build(all_reduce=False), tol=1e-6)
+    compare(4, build)
+    compare(4, lambda: build(all_reduce=False))
 
 
 @pytest.mark.parametrize("pin_memory", [False, True])

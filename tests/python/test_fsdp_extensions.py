@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fsdp_harness as h
 import tide.fsdp
@@ -84,8 +86,8 @@ def build_float8(fp8_all_gather: bool, only_float8_groups: bool = False, weight_
     return model
 
 
-def train_float8(model, precompute: bool, steps=3):
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+def train_steps(model, after_step=None, steps=3):
+    """SGD on Float8Model's input; after_step(model) after each optimizer step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     counter = h.OpCounter()
@@ -94,9 +96,14 @@ def train_float8(model, precompute: bool, steps=3):
             model(torch.randn(4, IN, generator=gen)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            if precompute:
-                precompute_float8_dynamic_scale_for_fsdp(model)
+            if after_step is not None:
+                after_step(model)
     return [p.to_local().detach().clone() for p in model.parameters()], counter.counts
+
+
+def train_float8(model, precompute: bool, steps=3):
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    return train_steps(model, precompute_float8_dynamic_scale_for_fsdp if precompute else None, steps)
 
 
 def _summary(handle, ops) -> dict:
@@ -116,8 +123,18 @@ def _with_tide(model, train, **kwargs):
     return params, _summary(handle, ops)
 
 
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a tensor subclass holds (its __tensor_flatten__, recursively): a wrapper
+    subclass's torch.equal may compare one of them only, or not be implemented."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for n in names for x in _inner(getattr(t, n))]
+
+
 def _equal(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    """Bitwise equal, every inner tensor of a subclass too."""
+    return all(torch.equal(x, y) for p, q in zip(a, b) for x, y in zip(_inner(p), _inner(q), strict=True))
 
 
 def scenario_float8(precompute: bool, only_float8_groups: bool = False, ranks_per_node=None) -> dict:
@@ -159,6 +176,65 @@ def scenario_float8_uneven() -> dict:
         return {"error_text": ""}
     except tide.DesyncError as e:
         return {"error_text": str(e)}
+
+
+# --- torchao's training subclasses ----------------------------------------------------------------
+
+def _training_config(name: str):
+    """torchao's training weight subclasses that run on CPU: prototype quantized training (int8
+    mixed precision: fp32 inputs; int8 weight-only: int8 data and a scale; BitNet: 2-bit packed
+    data, its scale all-reduced in fsdp_pre_all_gather) and MoE training's float8 rowwise weight
+    wrapper (its inputs cast to the param dtype)."""
+    from torchao.prototype import quantized_training as qt
+    if name == "moe_float8_rowwise":
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig, Float8TrainingRecipe
+        return Float8TrainingOpConfig.from_recipe(Float8TrainingRecipe.FP8_ROWWISE)
+    return {"int8_mixed_precision": qt.int8_mixed_precision_training, "int8_weight_only":
+            qt.int8_weight_only_quantized_training, "bitnet": qt.bitnet_training}[name]()
+
+
+def build_quantized_training(name: str, model: nn.Module | None = None):
+    """`model` (Float8Model by default) with torchao's `name` training weights on the blocks'
+    linears (the root's stay plain: one group of plain params), a group per block and the root."""
+    from torchao import quantize_
+    torch.manual_seed(0)
+    model = model or Float8Model()
+    quantize_(model, _training_config(name), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn not in ("inp", "out"))
+    for b in getattr(model, "blocks", []):
+        fully_shard(b)
+    fully_shard(model)
+    return model
+
+
+def scenario_quantized_training(name: str, after_step=None) -> dict:
+    """torchao's training subclass `name` against stock FSDP2; after_step(model) after each step
+    (BitNet's precomputed scales)."""
+    stock, _ = train_steps(build_quantized_training(name), after_step)
+    mine, summary = _with_tide(build_quantized_training(name), lambda m: train_steps(m, after_step))
+    return {"tide": summary, "vs_stock": _equal(mine, stock),
+            "weights": sorted({type(p).__name__ for p in mine})}
+
+
+def _precompute_bitnet_scale(model) -> None:
+    from torchao.prototype.quantized_training import precompute_bitnet_scale_for_fsdp
+    precompute_bitnet_scale_for_fsdp(model)
+
+
+def scenario_quantized_training_uneven(name: str) -> dict:
+    """torchao's training weight `name` on a dim 0 (64) W = 3 does not divide: what enable raises
+    on this rank, and how long it took (stock FSDP2 fails in its collective)."""
+    model = build_quantized_training(name, nn.Sequential(nn.Linear(IN, 64, bias=False), nn.Linear(64, 64, bias=False)))
+    start = time.monotonic()
+    try:
+        tide.fsdp.enable(model, timeout_ms=UNEVEN_TIMEOUT_MS)
+        tide.fsdp.disable(model)
+        error = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = (type(e).__name__, str(e))
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+UNEVEN_TIMEOUT_MS = 30000  # a rank that waited it out would raise TimeoutError, not the DesyncError
 
 
 # --- torchao NF4 (QLoRA) ----------------------------------------------------------------------------
@@ -671,6 +747,13 @@ SCENARIOS = {
     "float8_generic": (scenario_float8_generic, (2,), True),
     "float8_uneven": (scenario_float8_uneven, (3,), True),
     "nf4": (scenario_nf4, (2,), True),
+    "int8_mixed_precision": (lambda: scenario_quantized_training("int8_mixed_precision"), (2,), True),
+    "int8_weight_only": (lambda: scenario_quantized_training("int8_weight_only"), (2,), True),
+    "bitnet": (lambda: scenario_quantized_training("bitnet"), (2,), True),
+    "bitnet_precomputed": (lambda: scenario_quantized_training("bitnet", _precompute_bitnet_scale), (2,), True),
+    "moe_float8_rowwise": (lambda: scenario_quantized_training("moe_float8_rowwise"), (2,), True),
+    "int8_mixed_precision_uneven": (lambda: scenario_quantized_training_uneven("int8_mixed_precision"), (3,), True),
+    "bitnet_uneven": (lambda: scenario_quantized_training_uneven("bitnet"), (3,), True),
     "split_v1": (lambda: scenario_split(1), (2,), False),
     "split_v2": (lambda: scenario_split(2), (2,), False),
     "two_tensor": (scenario_two_tensor, (2,), False),
@@ -815,6 +898,49 @@ def test_nf4_frozen_weights_are_gathered_as_stock():
     for rank, r in handled_ranks(2, "nf4", groups=2, extension_groups=2):
         assert r["weights_equal"], f"rank {rank}: the unsharded NF4 tensors differ from stock's"
         assert r["finite"] and r["vs_stock"], f"rank {rank}: LoRA params differ from stock's: {r}"
+
+
+@needs_torchao
+@pytest.mark.parametrize("case, weight", [
+    ("int8_mixed_precision", "Int8MixedPrecisionTrainingLinearWeight"),
+    ("int8_weight_only", "Int8QuantizedTrainingLinearWeight"),
+    ("bitnet", "BitNetTrainingLinearWeight"),
+    ("bitnet_precomputed", "BitNetTrainingLinearWeight"),
+    ("moe_float8_rowwise", "Float8TrainingWeightWrapperTensor")])
+def test_torchao_training_subclass_matches_stock(case, weight):
+    """torchao's training weight subclasses (W = 2): TIDE gathers their fsdp_pre_all_gather inputs
+    (fp32, int8 with scales, packed 2-bit) in every group, bitwise equal to stock FSDP2, every
+    inner tensor of the trained weights compared."""
+    for rank, r in handled_ranks(2, case, groups=3, extension_groups=2):
+        assert weight in r["weights"], f"rank {rank}: torchao's {weight} is not what trained: {r['weights']}"
+        assert r["vs_stock"], f"rank {rank}: differs from stock FSDP2"
+
+
+@needs_torchao
+def test_bitnet_with_uneven_shards_raises_desync_error_naming_the_param():
+    """BitNet packs its shard into 2-bit bytes without padding: at W = 3 on 64 rows the ranks'
+    inputs differ in size, and every rank raises the same DesyncError naming the weight."""
+    errors = [r["error"] for r in results(3)["bitnet_uneven"]]
+    for rank, error in enumerate(errors):
+        assert error is not None and error[0] == "DesyncError", f"rank {rank}: {error}"
+        assert "disagree on param group 0" in error[1] and "0.weight [64, 16]" in error[1], f"rank {rank}: {error}"
+    assert len(set(errors)) == 1, errors
+
+
+@needs_torchao
+def test_exception_on_one_rank_inside_enable_reaches_every_rank():
+    """int8 mixed precision at W = 3 on 64 rows: FSDP2 asserts the padded shard size inside
+    fsdp_pre_all_gather on rank 2 alone (its shard has 20 rows, not 22), during enable's probe.
+    Every rank raises the same DesyncError naming rank 2 and the assertion at once, rather than
+    the others' TimeoutError after UNEVEN_TIMEOUT_MS."""
+    per_rank = results(3)["int8_mixed_precision_uneven"]
+    errors = [r["error"] for r in per_rank]
+    for rank, r in enumerate(per_rank):
+        assert r["error"] is not None and r["error"][0] == "DesyncError", f"rank {rank}: {r}"
+        assert r["error"][1].startswith("tide.fsdp.enable: global rank 2 raised AssertionError at param group <root>: "), r
+        assert "padded sharded size torch.Size([22, 16])" in r["error"][1], f"rank {rank}: {r}"
+        assert r["seconds"] < UNEVEN_TIMEOUT_MS / 1000, f"rank {rank}: waited out the timeout: {r}"
+    assert len(set(errors)) == 1, errors
 
 
 @pytest.mark.parametrize("version", [1, 2])

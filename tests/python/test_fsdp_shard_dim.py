@@ -3,7 +3,7 @@ experts when the FSDP degree exceeds the expert count), ranks as threads of one 
 (threaded_world.py). TIDE must take those groups (no fallback), gather each rank's block straight
 into place and reduce-scatter the gradients' blocks where they lie: none of FSDP2's layout copies
 runs, nor the chunk + cat that stock does for dims > 0 in its copy-out and before its reduce-scatter.
-At W = 2 every reduction is a sum of two numbers, so parameters must be bitwise stock's."""
+Parameters must be bitwise stock's at W = 2 and 4 (fsdp_harness.compare says why)."""
 
 from __future__ import annotations
 
@@ -102,14 +102,14 @@ def train(model, steps=2):
     return params_of(model), counter.counts
 
 
-@pytest.mark.parametrize("world, tol", [(2, 0.0), (4, 1e-6)])
-def test_grouped_experts_sharded_on_dims_1_and_2(world, tol):
-    h.compare(world, make_moe, train, groups=3, tol=tol, stock_copy="aten.cat")
+@pytest.mark.parametrize("world", [2, 4])
+def test_grouped_experts_sharded_on_dims_1_and_2(world):
+    h.compare(world, make_moe, train, groups=3, stock_copy="aten.cat")
 
 
-@pytest.mark.parametrize("world, tol", [(2, 0.0), (4, 1e-6)])
-def test_every_matrix_sharded_on_dim_1(world, tol):
-    h.compare(world, make_llama_dim1, train, groups=4, tol=tol, stock_copy="aten.cat")
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_matrix_sharded_on_dim_1(world):
+    h.compare(world, make_llama_dim1, train, groups=4, stock_copy="aten.cat")
 
 
 def test_inner_shard_dims_across_nodes_fall_back_naming_the_param():

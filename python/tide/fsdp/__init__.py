@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .. import _tide
 from . import _dispatch, _fallbacks, _fsdp2, _hooks
-from ._agreement import check_agreement
+from ._agreement import agree
 from ._bucket import Bucket, Counts
 from ._dtypes import TORCH_TO_TIDE
 from ._extension import ExtensionGather, uses_extension
@@ -159,7 +159,8 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
 
     Every rank of each process group must call it on the same model: the ranks check that they
     describe their param groups identically (through the store, within `timeout_ms`, default
-    TIDE_TIMEOUT_MS) and raise tide.DesyncError on every rank otherwise, naming the first difference.
+    TIDE_TIMEOUT_MS) and raise tide.DesyncError on every rank otherwise, naming the first difference,
+    or the rank and its exception where one rank raised while describing them.
 
     ranks_per_node: declares nodes of that many consecutive global ranks (default: LOCAL_WORLD_SIZE
     as torchrun sets it; unset: every group is one node); groups that span several
@@ -208,30 +209,41 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
         if state:
             raise ValueError(f"tide.fsdp.enable: param group {path} {state}")
 
-    # 1. What the model alone decides, agreed by every rank of each process group.
-    param_name = _fsdp2.param_names(module)
-    decided = []  # (bucket id, path, param group, process group, topology, gather, reason)
-    by_group: dict = {}  # group ranks -> (process group, identities in module order)
-    for bucket_id, (path, pg) in enumerate(groups):
+    # 1. What the model alone decides, agreed by every rank of each process group. What a rank
+    # raises while deciding (an extension's fsdp_pre_all_gather refusing its shard, say) reaches
+    # the agreement too: the other ranks raise it at once rather than wait for this one.
+    process_groups: dict = {}  # group ranks -> process group, in module order
+    for _, pg in groups:
         group = _fsdp2.process_group(pg)
-        reason = _fallbacks.group_reason(pg, group, param_name)
-        topology = None
-        if not reason:
-            topology, reason = topology_for(dist.get_process_group_ranks(group), ranks_per_node)
-            if not reason and topology.nodes > 1:
-                reason = _fallbacks.multi_node_reason(pg, param_name)
-        # All-gather extensions: their inputs' layout (fsdp_pre_all_gather runs once here).
-        gather = ExtensionGather(pg, param_name, topology) if not reason and uses_extension(pg) else None
-        if gather is not None and gather.layout is None:
-            gather, reason = None, "every fsdp_pre_all_gather input of the group is empty (nothing to gather)"
-        decided.append((bucket_id, path, pg, group, topology, gather, reason))
         if group is not None and group.size() > 1:
-            key = tuple(dist.get_process_group_ranks(group))
-            by_group.setdefault(key, (group, []))[1].append(_identity(path, pg, reason, param_name, gather))
+            process_groups.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+    identities: dict = {ranks: [] for ranks in process_groups}  # group ranks -> identities in module order
+    decided = []  # (bucket id, path, param group, process group, topology, gather, reason)
+    failure, failed_at = None, ""
+    try:
+        param_name = _fsdp2.param_names(module)
+        for bucket_id, (path, pg) in enumerate(groups):
+            failed_at = path
+            group = _fsdp2.process_group(pg)
+            reason = _fallbacks.group_reason(pg, group, param_name)
+            topology = None
+            if not reason:
+                topology, reason = topology_for(dist.get_process_group_ranks(group), ranks_per_node)
+                if not reason and topology.nodes > 1:
+                    reason = _fallbacks.multi_node_reason(pg, param_name)
+            # All-gather extensions: their inputs' layout (fsdp_pre_all_gather runs once here).
+            gather = ExtensionGather(pg, param_name, topology) if not reason and uses_extension(pg) else None
+            if gather is not None and gather.layout is None:
+                gather, reason = None, "every fsdp_pre_all_gather input of the group is empty (nothing to gather)"
+            decided.append((bucket_id, path, pg, group, topology, gather, reason))
+            if group is not None and group.size() > 1:
+                identities[tuple(dist.get_process_group_ranks(group))].append(
+                    _identity(path, pg, reason, param_name, gather))
+    except Exception as e:  # noqa: BLE001 - raised on every rank, through the agreement
+        failure = e
     options = {"ranks_per_node": ranks_per_node, "transport": transport,
                "across_nodes": {k: str(getattr(across_nodes, k)) for k in ACROSS_NODES_OPTION_FIELDS}}
-    rounds = {ranks: check_agreement(group, options, identities, wait_ms)
-              for ranks, (group, identities) in by_group.items()}
+    rounds = agree(process_groups, options, identities, wait_ms, failure, failed_at)
 
     # 2. Where the ranks are (the same answer on every rank of a group: exchanged).
     where: dict = {}

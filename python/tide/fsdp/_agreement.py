@@ -1,6 +1,7 @@
 """Ranks agreeing before they act: an exchange of one string per rank through the torch.distributed
 store, bounded by a timeout, and the check that every rank of a process group describes its param
-groups the same way (else a DesyncError on every rank, naming the first difference).
+groups the same way (else a DesyncError on every rank, naming the first difference, or the rank
+that raised while describing them).
 
 Keys carry the process group's global ranks, a topic and a round number counted per (store,
 topic, group, rank): the n-th exchange on a topic by this rank of this group in this
@@ -56,39 +57,73 @@ def _exchange(group: dist.ProcessGroup, topic: str, mine: str, timeout_ms: int) 
     return n, [store.get(k).decode() for k in keys]
 
 
-def check_agreement(group: dist.ProcessGroup, options: dict, entries: list, timeout_ms: int) -> int:
-    """Raises tide.DesyncError on every rank of `group` unless every rank passed equal `options`
-    (enable's arguments that shape windows and programs) and `entries` (JSON-able descriptions of
-    the group's param groups in module order). Returns the round: how many agreements this rank
-    of this group reached before, the same on every rank of it. Every later exchange of the same
-    enable is keyed by it, so an enable that timed out on one rank leaves nothing a retry could
-    mistake for its own."""
+def agree(groups: dict, options: dict, entries: dict, timeout_ms: int,
+          failure: BaseException | None = None, failed_at: str = "") -> dict:
+    """check_agreement for every process group of one enable, in module order (the same on every
+    rank): `groups` and `entries` by group ranks. Returns each group's round, by its ranks.
+
+    A rank that raised `failure` while describing its param groups (at param group `failed_at`)
+    still takes part, sending the failure instead of its entries, and a rank that learns of a
+    failure or a disagreement passes it on in its later groups: every rank of the groups it reaches
+    raises the same tide.DesyncError at once, naming the rank, instead of waiting out the timeout
+    for a rank that stopped. The rank that failed chains its own exception. With no group of
+    several ranks, `failure` is raised as it is."""
+    if failure is not None and not groups:
+        raise failure
+    problem = None
+    if failure is not None:
+        at = f" at param group {failed_at}" if failed_at else ""
+        problem = (f"tide.fsdp.enable: global rank {dist.get_rank()} raised {type(failure).__name__}{at}: "
+                   f"{failure}; every rank of its process groups raises this, TIDE is enabled on none")
+    rounds = {}
+    for ranks, group in groups.items():
+        rounds[ranks], problem = check_agreement(group, options, entries[ranks], timeout_ms, problem)
+    if problem is not None:
+        raise _tide.DesyncError(problem) from failure
+    return rounds
+
+
+def check_agreement(group: dist.ProcessGroup, options: dict, entries: list, timeout_ms: int,
+                    problem: str | None = None) -> tuple[int, str | None]:
+    """One exchange through the store: every rank of `group` passes `options` (enable's arguments
+    that shape windows and programs) and `entries` (JSON-able descriptions of the group's param
+    groups in module order), or, where it already has one, a `problem` that stops the enable
+    instead. Returns the round (how many agreements this rank of this group reached before, the
+    same on every rank of it: every later exchange of the same enable is keyed by it, so an enable
+    that timed out on one rank leaves nothing a retry could mistake for its own) and the problem
+    every rank of the group now has: the first one a rank sent, in group-rank order, else the first
+    difference between the ranks' options or entries, else None."""
     ranks = _group_ranks(group)
-    mine = json.dumps({"options": options, "groups": entries}, sort_keys=True)
-    n, theirs = _exchange(group, "enable", mine, timeout_ms)
-    if all(t == theirs[0] for t in theirs):
-        return n
+    sent = {"problem": problem} if problem is not None else {"options": options, "groups": entries}
+    n, theirs = _exchange(group, "enable", json.dumps(sent, sort_keys=True), timeout_ms)
     decoded = [json.loads(t) for t in theirs]
+    problems = [d["problem"] for d in decoded if "problem" in d]
+    if problems:
+        return n, problems[0]
+    return n, _disagreement(ranks, decoded)
+
+
+def _disagreement(ranks: tuple[int, ...], decoded: list[dict]) -> str | None:
+    """The first difference between the ranks' options or param groups, as the DesyncError's text;
+    None where every rank sent the same."""
     for q, d in enumerate(decoded):
         if d["options"] != decoded[0]["options"]:
             key = next(k for k in sorted(set(d["options"]) | set(decoded[0]["options"]))
                        if d["options"].get(k) != decoded[0]["options"].get(k))
-            raise _tide.DesyncError(
-                f"tide.fsdp.enable: the ranks of process group {list(ranks)} disagree on enable's "
-                f"{key}: {decoded[0]['options'].get(key)!r} on group rank 0 (global {ranks[0]}) vs "
-                f"{d['options'].get(key)!r} on group rank {q} (global {ranks[q]}); every rank must "
-                "pass the same options")
+            return (f"tide.fsdp.enable: the ranks of process group {list(ranks)} disagree on enable's "
+                    f"{key}: {decoded[0]['options'].get(key)!r} on group rank 0 (global {ranks[0]}) vs "
+                    f"{d['options'].get(key)!r} on group rank {q} (global {ranks[q]}); every rank must "
+                    "pass the same options")
     lists = [d["groups"] for d in decoded]
     for i in range(max(len(x) for x in lists)):
         at = [x[i] if i < len(x) else None for x in lists]
         other = next((q for q in range(len(at)) if at[q] != at[0]), None)
         if other is not None:
-            raise _tide.DesyncError(
-                f"tide.fsdp.enable: the ranks of process group {list(ranks)} disagree on param group "
-                f"{i}: {_difference(at[0], at[other])} on group rank 0 (global {ranks[0]}) vs group "
-                f"rank {other} (global {ranks[other]}); every rank must call enable on the same "
-                "model, sharded the same way")
-    raise AssertionError("unreachable: the lists differ")
+            return (f"tide.fsdp.enable: the ranks of process group {list(ranks)} disagree on param group "
+                    f"{i}: {_difference(at[0], at[other])} on group rank 0 (global {ranks[0]}) vs group "
+                    f"rank {other} (global {ranks[other]}); every rank must call enable on the same "
+                    "model, sharded the same way")
+    return None
 
 
 def _difference(a: list | None, b: list | None) -> str:
