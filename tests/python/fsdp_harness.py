@@ -281,7 +281,8 @@ def run_scenario(opts, world, device, steps=3):
                 params.append(_local(model.parameters()))
             (stock_grads, *tide_grads), (stock_params, *tide_params) = grads, params
             reproducible &= all(map(torch.equal, *tide_grads)) and all(map(torch.equal, *tide_params))
-            for got, want, bound, p_got, p_want in zip(tide_grads[0], stock_grads, bounds, tide_params[0], stock_params):
+            for got, want, bound, p_got, p_want in zip(tide_grads[0], stock_grads, bounds,
+                                                       tide_params[0], stock_params):
                 bitwise &= torch.equal(got, want) and torch.equal(p_got, p_want)
                 if not got.numel():
                     continue
