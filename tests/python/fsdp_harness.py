@@ -1,10 +1,11 @@
 """A small Llama-style model trained under FSDP2 with TIDE on and off, ranks as spawned processes
 (on CPU, or sharing CUDA devices: several ranks per GPU, gloo as FSDP2's process group).
 
-Each scenario trains the same model from the same seed three times: stock FSDP2, TIDE, TIDE again.
-The worker reports, per scenario, the parameter differences, whether the two TIDE runs were bitwise
-identical, the FSDP2 layout-conversion ops that ran (counted with a TorchDispatchMode), the pooled
-windows and the fallbacks.
+Each scenario trains the same model from the same seed three times, in step: stock FSDP2, TIDE,
+TIDE again (run_scenario). The worker reports, per scenario, the gradient and parameter
+differences against stock each step and their largest share of the reduction's bound, whether the
+two TIDE runs were bitwise identical, the FSDP2 layout-conversion ops that ran (counted with a
+TorchDispatchMode), the pooled windows and the fallbacks.
 
 compare() does the same side by side on thread-ranks (threaded_world.py), for the tests that train
 their own models there.
@@ -23,12 +24,14 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import threaded_world
 import tide
 import tide.fsdp
+from rounding import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, reduction_bound_scale
 
 DIM, HEADS, KV_HEADS, HIDDEN, VOCAB = 32, 4, 2, 88, 67  # 88 and 67: dim 0 not divisible by 3 or 4
 
@@ -182,58 +185,133 @@ def build(opts, world, device):
     return model
 
 
-def train(model, opts, device, steps=3):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    micro = opts.get("accumulate", 1)
-    counter = OpCounter()
+LR = 0.05
+
+
+def _enable(model, opts):
+    kwargs = {}
+    if "ranks_per_node" in opts:  # small network chunks: many network steps per bucket
+        kwargs = {"ranks_per_node": opts["ranks_per_node"],
+                  "across_nodes": tide.AcrossNodesOptions(chunk_bytes=opts["net"], max_chunks_in_flight=2, ring_depth=2,
+                                                          wire_dtype=getattr(tide.DType, opts.get("wire", "fp32"))),
+                  "transport": opts.get("network", "auto")}
+    launcher = os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if opts.get("from_env"):  # the launcher's LOCAL_WORLD_SIZE stands for ranks_per_node
+        os.environ["LOCAL_WORLD_SIZE"] = str(kwargs.pop("ranks_per_node"))
+    try:
+        return tide.fsdp.enable(model, **kwargs)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if launcher is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = launcher
+
+
+def _loss(model, tokens):
+    return F.cross_entropy(model(tokens).view(-1, VOCAB), tokens.roll(-1, 1).view(-1))
+
+
+def _backward(model, batches, counter):
     with counter:
-        for _ in range(steps):
-            for m in range(micro):
-                model.set_requires_gradient_sync(m == micro - 1)
-                tokens = torch.randint(0, VOCAB, (2, 8), generator=gen).to(device)
-                logits = model(tokens)
-                loss = F.cross_entropy(logits.view(-1, VOCAB), tokens.roll(-1, 1).view(-1))
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-    params = [p.to_local().detach().cpu().clone() for p in model.parameters()]
-    return params, counter.counts
+        for m, tokens in enumerate(batches):
+            model.set_requires_gradient_sync(m == len(batches) - 1)
+            _loss(model, tokens).backward()
 
 
-def run_scenario(opts, world, device):
+def _local(tensors) -> list:
+    return [t.to_local().detach().cpu().clone() for t in tensors]
+
+
+def reduction_bounds(stock, mirror, opts, world, device, batches) -> list:
+    """Per element of this rank's gradient shards, how far stock's and TIDE's reductions of the
+    ranks' gradients g_r may differ (rounding.reduction_bound_scale times sum_r |g_r|), with u the
+    reduce dtype's unit roundoff (bf16's where the reduce dtype or the partial sums between nodes
+    are bf16: each such rounding is one of the bound's). sum_r |g_r| comes from `mirror`, the model
+    unsharded with `stock`'s parameters now, on this rank's micro-batches (|g| of each summed: at
+    least |their sum|)."""
+    with torch.no_grad():
+        for unsharded, sp in zip(mirror.parameters(), stock.parameters()):
+            unsharded.copy_(sp.full_tensor())
+    compute = mirror.to(opts["mp"][0]) if "mp" in opts else mirror
+    magnitude = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in compute.parameters()]
+    for tokens in batches:
+        compute.zero_grad()
+        _loss(compute, tokens).backward()
+        for total, p in zip(magnitude, compute.parameters()):
+            total += p.grad.float().abs()
+    mirror.float()
+    for total in magnitude:
+        dist.all_reduce(total)
+    bf16 = opts.get("mp", (None, None))[1] == torch.bfloat16 or opts.get("wire") == "bf16"
+    u = BF16_UNIT_ROUNDOFF if bf16 else FP32_UNIT_ROUNDOFF
+    scale = reduction_bound_scale(world, opts.get("divide_factor") or world, u)
+    return [distribute_tensor(scale * total, sp.device_mesh, sp.placements, src_data_rank=None)
+            .to_local().cpu() for total, sp in zip(magnitude, stock.parameters())]
+
+
+def _ratio(diff: torch.Tensor, bound: torch.Tensor) -> float:
+    """The largest diff / bound (<= 1: within the bound); a difference where the bound is 0 is inf."""
+    return torch.where(bound > 0, diff / bound, torch.where(diff > 0, float("inf"), 0.0)).max().item()
+
+
+def run_scenario(opts, world, device, steps=3):
+    """Stock FSDP2 and two TIDE runs of the same model, in step: each step every model takes the
+    same micro-batches, and the step's gradients (one reduction) and updated parameters of TIDE's
+    runs are compared with stock's, before TIDE's runs take stock's parameters for the next step.
+    So a difference cannot grow over steps: the comparison stays within the one reduction's bound
+    (reduction_bounds; at W = 2 bitwise), plus the update's own rounding for the parameters."""
     stock_opts = {**opts, **opts.get("stock", {})}
-    stock, stock_ops = train(build(stock_opts, world, device), stock_opts, device)
-    runs = []
-    for _ in range(2):
-        model = build(opts, world, device)
-        kwargs = {}
-        if "ranks_per_node" in opts:  # small network chunks: many network steps per bucket
-            kwargs = {"ranks_per_node": opts["ranks_per_node"],
-                      "across_nodes": tide.AcrossNodesOptions(chunk_bytes=opts["net"], max_chunks_in_flight=2, ring_depth=2,
-                                             wire_dtype=getattr(tide.DType, opts.get("wire", "fp32"))),
-                      "transport": opts.get("network", "auto")}
-        launcher = os.environ.pop("LOCAL_WORLD_SIZE", None)
-        if opts.get("from_env"):  # the launcher's LOCAL_WORLD_SIZE stands for ranks_per_node
-            os.environ["LOCAL_WORLD_SIZE"] = str(kwargs.pop("ranks_per_node"))
-        try:
-            handle = tide.fsdp.enable(model, **kwargs)
-        finally:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-            if launcher is not None:
-                os.environ["LOCAL_WORLD_SIZE"] = launcher
-        params, ops = train(model, opts, device)
-        runs.append((params, ops, handle))
-        tide.fsdp.disable(model)
-    (tide_a, ops_a, handle), (tide_b, _, _) = runs
-    diffs = [(a.float() - s.float()).abs().max().item() if a.numel() else 0.0 for a, s in zip(tide_a, stock)]
+    stock = build(stock_opts, world, device)
+    torch.manual_seed(0)
+    mirror = TinyLlama(tied=opts.get("tied", False), checkpointed=opts.get("checkpointed", False)).to(device)
+    runs = [build(opts, world, device) for _ in range(2)]
+    handles = [_enable(model, opts) for model in runs]
+    counters = [OpCounter() for _ in range(3)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (stock, *runs)]
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    bitwise, reproducible, max_diff, max_ratio = True, True, 0.0, 0.0
+    try:
+        for _ in range(steps):
+            batches = [torch.randint(0, VOCAB, (2, 8), generator=gen).to(device)
+                       for _ in range(opts.get("accumulate", 1))]
+            bounds = reduction_bounds(stock, mirror, opts, world, device, batches)
+            grads, params = [], []
+            for model, opt, counter in zip((stock, *runs), optimizers, counters):
+                _backward(model, batches, counter)
+                grads.append(_local(p.grad for p in model.parameters()))
+                opt.step()
+                opt.zero_grad()
+                params.append(_local(model.parameters()))
+            (stock_grads, *tide_grads), (stock_params, *tide_params) = grads, params
+            reproducible &= all(map(torch.equal, *tide_grads)) and all(map(torch.equal, *tide_params))
+            for got, want, bound, p_got, p_want in zip(tide_grads[0], stock_grads, bounds,
+                                                       tide_params[0], stock_params):
+                bitwise &= torch.equal(got, want) and torch.equal(p_got, p_want)
+                if not got.numel():
+                    continue
+                diff = (got.double() - want.double()).abs()
+                # SGD's update p - lr g from the same p: lr g rounds (u of it, unless fused) and so
+                # does the result (u of it), on each side; lr is fl(0.05) on both.
+                u = FP32_UNIT_ROUNDOFF
+                update = (LR * (1 + u) * (bound.double() + u * (got.double().abs() + want.double().abs()))
+                          + u * (p_got.double().abs() + p_want.double().abs()))
+                p_diff = (p_got.double() - p_want.double()).abs()
+                max_diff = max(max_diff, diff.max().item(), p_diff.max().item())
+                max_ratio = max(max_ratio, _ratio(diff, bound.double()), _ratio(p_diff, update))
+            with torch.no_grad():  # the next step starts from stock's parameters on every run
+                for model in runs:
+                    for p, sp in zip(model.parameters(), stock.parameters()):
+                        p.to_local().copy_(sp.to_local())
+    finally:
+        for model in runs:
+            tide.fsdp.disable(model)
+    handle = handles[0]
     return {
-        "bitwise_vs_stock": all(torch.equal(a, s) for a, s in zip(tide_a, stock)),
-        "max_abs_diff": max(diffs),
-        "max_param": max(s.abs().max().item() for s in stock if s.numel()),
-        "reproducible": all(torch.equal(a, b) for a, b in zip(tide_a, tide_b)),
-        "stock_ops": stock_ops,
-        "tide_ops": ops_a,
+        "bitwise_vs_stock": bitwise,
+        "max_abs_diff": max_diff,
+        "max_ratio": max_ratio,
+        "reproducible": reproducible,
+        "stock_ops": counters[0].counts,
+        "tide_ops": counters[1].counts,
         "buckets": len(handle.buckets),
         "fallbacks": [reason for _, reason in handle.fallbacks],
         "pooled_windows": sum(len(p.windows) for p in handle.pools),

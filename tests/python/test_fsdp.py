@@ -3,16 +3,16 @@ W = 2, 3, 4 ranks as processes sharing a GPU (gloo as FSDP2's process group, TID
 skipped without a GPU). The same scenarios and tolerances on both devices (on the GPU with
 deterministic algorithms, so that compute is identical run to run).
 
-Tolerances. At W = 2 every reduction is a sum of two numbers, which cannot depend on order, and
-all-gather/casts are exact and identical, so parameters must be bitwise equal to stock FSDP2 (fp32
-and bf16-param runs alike). At W > 2 stock FSDP2's collective (gloo) sums in a different order
-than TIDE's fixed rank order and divides by W where TIDE multiplies by 1/W: each reduced gradient
-element differs by at most a few ulp (~1e-7 relative). Training is plain SGD (lr 0.05, 3 steps),
-linear in the gradient, so parameters differ by ~lr x 1e-7 per step: we allow 1e-6 absolute on
-parameters of magnitude <= ~1.5 in fp32 runs (measured: <= 1.2e-7). With bf16 parameters, such a
-difference can flip a bf16 rounding of an all-gathered weight (2^-8 relative) that propagates into
-the next step's gradients, and a bf16 reduce dtype rounds stock's partial sums to bf16 where TIDE
-accumulates in fp32 and rounds once: we allow 1e-3 absolute there (measured: <= 3.1e-5). TIDE itself must be bitwise reproducible run to run."""
+Tolerances. Stock and TIDE train in step, and every step compares their gradients and updated
+parameters, then TIDE's runs take stock's parameters (fsdp_harness.run_scenario): each comparison
+covers one reduction, so nothing amplifies a difference over steps. All-gathers and casts are
+exact, so each rank's own gradients are the same in both. At W = 2 every reduction is a sum of two
+numbers, which cannot depend on order: bitwise equal to stock FSDP2 (fp32 and bf16-param runs
+alike). At W > 2 stock's collective (gloo) sums in another order than TIDE's programs and divides
+where TIDE multiplies: every element within the reduction's bound, gamma(2W + 2) x sum_r |g_r| / W
+from the ranks' own gradients g_r (fsdp_harness.reduction_bounds; bf16's unit roundoff where the
+reduce dtype or the partial sums between nodes are bf16). TIDE itself must be bitwise reproducible
+run to run."""
 
 import pytest
 import torch
@@ -49,8 +49,8 @@ def test_results_match_stock(world_results):
             where = f"W={world} {name} rank {rank}"
             if world == 2 and "inexact" not in opts:
                 assert r["bitwise_vs_stock"], f"{where}: not bitwise equal to stock (max diff {r['max_abs_diff']})"
-            tol = 1e-3 if "mp" in opts or "wire" in opts else 1e-6  # bf16 params or partials
-            assert r["max_abs_diff"] <= tol, f"{where}: max |TIDE - stock| = {r['max_abs_diff']} > {tol}"
+            assert r["max_ratio"] <= 1, (f"{where}: |TIDE - stock| up to {r['max_ratio']} times the reduction's "
+                                         f"bound (max |TIDE - stock| {r['max_abs_diff']})")
             if "wire" in opts:  # the lossy wire reached the plans: its rounding shows
                 assert r["max_abs_diff"] > 0, f"{where}: bf16 partials on the wire left no trace"
 

@@ -52,7 +52,9 @@ def test_two_gpus_as_two_nodes_match_stock_bitwise(network, tmp_path, capsys):
                     reason="needs a CUDA build of TIDE and a GPU")
 def test_ranks_sharing_gpus_match_stock(tmp_path, capsys):
     """More ranks than GPUs: tide-bench runs FSDP2 over gloo, TIDE over its CUDA transport. W = 3
-    fp32 (tolerance as in test_fsdp.py: stock's gloo sums three terms in another order)."""
+    fp32: stock's gloo sums three terms in another order, and tide-bench compares the final
+    parameters only, so 1e-6 is an allowance, not a bound derived from the arithmetic (the same
+    ranks sharing a GPU in test_fsdp.py are compared step by step within the derived bound)."""
     world = torch.cuda.device_count() + 1
     world += world == 2  # at least 3 ranks: W = 2 is covered bitwise above
     out = tmp_path / "fsdp.json"

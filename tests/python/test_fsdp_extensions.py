@@ -199,7 +199,8 @@ def build_quantized_training(name: str, model: nn.Module | None = None):
     from torchao import quantize_
     torch.manual_seed(0)
     model = model or Float8Model()
-    quantize_(model, _training_config(name), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn not in ("inp", "out"))
+    quantize_(model, _training_config(name),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn not in ("inp", "out"))
     for b in getattr(model, "blocks", []):
         fully_shard(b)
     fully_shard(model)
@@ -937,7 +938,8 @@ def test_exception_on_one_rank_inside_enable_reaches_every_rank():
     errors = [r["error"] for r in per_rank]
     for rank, r in enumerate(per_rank):
         assert r["error"] is not None and r["error"][0] == "DesyncError", f"rank {rank}: {r}"
-        assert r["error"][1].startswith("tide.fsdp.enable: global rank 2 raised AssertionError at param group <root>: "), r
+        assert r["error"][1].startswith(
+            "tide.fsdp.enable: global rank 2 raised AssertionError at param group <root>: "), r
         assert "padded sharded size torch.Size([22, 16])" in r["error"][1], f"rank {rank}: {r}"
         assert r["seconds"] < UNEVEN_TIMEOUT_MS / 1000, f"rank {rank}: waited out the timeout: {r}"
     assert len(set(errors)) == 1, errors

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import fsdp_harness as h
-from rounding import gamma
+from rounding import reduction_bound_scale
 import threaded_world
 import tide
 import tide.fsdp
@@ -96,16 +96,14 @@ def own_gradients(device, x) -> list:
 
 
 def reduction_bound(own: list, world: int, rank: int) -> list:
-    """Per element of `rank`'s gradient shards, how far two fp32 averages of the ranks' gradients
-    g_r may differ when they sum in different orders: each sum of W terms is within
-    gamma(W - 1) * sum_r |g_r| of the exact one (any order), and dividing by W (stock) or
-    multiplying by fl(1/W) (TIDE) adds at most 3u of the result, so the two differ by at most
-    (2 gamma(W - 1) + 3u) * sum_r |g_r| / W <= gamma(2W + 2) * sum_r |g_r| / W. The gradients are the
-    reduce-scatter's outputs: one reduction, nothing after it to amplify a difference."""
+    """Per element of `rank`'s gradient shards, how far stock's and TIDE's averages of the ranks'
+    gradients g_r may differ, summed in other orders (rounding.reduction_bound_scale). The
+    gradients are the reduce-scatter's outputs: one reduction, nothing after it to amplify a
+    difference."""
     bounds = []
     for per_rank in zip(*own):
         total = torch.stack(per_rank).double().sum(0)
-        chunks = torch.chunk(gamma(2 * world + 2) * total / world, world)  # FSDP2's shards on dim 0
+        chunks = torch.chunk(reduction_bound_scale(world, world) * total, world)  # FSDP2's shards on dim 0
         bounds.append(chunks[rank] if rank < len(chunks) else chunks[0][:0])
     return bounds
 
