@@ -298,7 +298,9 @@ class CudaExecutor final : public Executor {
   // watchdog watches, and the mark slots those take. A graph counts until it and every executable
   // graph made from it are destroyed (CUDA then tells the executor, from a thread of its own,
   // shortly after the last destroy); its replays write this executor's window, so the window and
-  // the executor must outlive it.
+  // the executor must outlive it. A driver that refuses to tie a graph's life to the executor
+  // (a user object retained during the capture) leaves that graph's waits and slots held for good,
+  // and it is not counted in `graphs`.
   struct CapturedState {
     int graphs = 0;
     int waits = 0;

@@ -60,14 +60,23 @@ void CudaExecutor::Impl::adopt_capture() {
   }
   auto* end = new GraphEnd{graph_ends, id};
   cudaUserObject_t object = nullptr;
-  const cudaError_t created =
-      cudaUserObjectCreate(&object, end, &GraphEnd::destroy, 1, cudaUserObjectNoDestructorSync);
-  if (created != cudaSuccess) delete end;
-  TIDE_CUDA_CHECK(created);
-  // The graph takes the one reference: the object ends with the graph (and its executable graphs).
-  TIDE_CUDA_CHECK(cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove));
+  bool tracked =
+      cudaUserObjectCreate(&object, end, &GraphEnd::destroy, 1, cudaUserObjectNoDestructorSync) ==
+      cudaSuccess;
+  if (!tracked) {
+    delete end;
+  } else if (cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove) != cudaSuccess) {
+    // The graph did not take the reference: ours ends the object (and `end`) now.
+    (void)cudaUserObjectRelease(object, 1);
+    tracked = false;
+  }
+  if (!tracked) {
+    // A driver that refuses user objects during this capture: the graph's waits and slots are
+    // kept for good, as a graph's life cannot be followed (captured_state() does not count it).
+    (void)cudaGetLastError();
+  }
   std::lock_guard<std::mutex> lock(mutex);
-  graphs.push_back({id, {}});
+  graphs.push_back({id, {}, tracked});
 }
 
 void CudaExecutor::Impl::hold_captured_slot(int slot) {
@@ -86,7 +95,7 @@ void CudaExecutor::Impl::forget_ended_graphs() {
   for (const uint64_t ended : graph_ends->take()) {
     const auto g = std::find_if(graphs.begin(), graphs.end(),
                                 [&](const LiveGraph& live) { return live.capture == ended; });
-    if (g == graphs.end()) continue;
+    if (g == graphs.end() || !g->tracked) continue;  // an untracked graph's end is not its own
     for (const int slot : g->slots) marks->release(slot);
     graphs.erase(g);
     captured.erase(std::remove_if(captured.begin(), captured.end(),
@@ -103,11 +112,13 @@ void CudaExecutor::Impl::forget_ended_graphs() {
 }
 
 CudaExecutor::CapturedState CudaExecutor::captured_state() {
+  using LiveGraph = Impl::LiveGraph;
   Impl& d = *impl_;
   std::lock_guard<std::mutex> lock(d.mutex);
   d.forget_ended_graphs();
-  return {static_cast<int>(d.graphs.size()), static_cast<int>(d.captured.size()),
-          static_cast<int>(d.captured_slots.size())};
+  const int tracked = static_cast<int>(
+      std::count_if(d.graphs.begin(), d.graphs.end(), [](const LiveGraph& g) { return g.tracked; }));
+  return {tracked, static_cast<int>(d.captured.size()), static_cast<int>(d.captured_slots.size())};
 }
 
 }  // namespace tide

@@ -237,6 +237,7 @@ struct CudaExecutor::Impl {
   struct LiveGraph {
     uint64_t capture;
     std::vector<int> slots;
+    bool tracked;  // its end reaches GraphEnds (a user object the graph retains); else kept for good
   };
   std::vector<LiveGraph> graphs;
   std::shared_ptr<cuda_executor_detail::GraphEnds> graph_ends =
