@@ -195,7 +195,8 @@ class Bucket:
         during a capture (whose graph must hold the all-gather its parameters are read from),
         an unsharded group outside its backward is resharded here, and FSDP2's unshard gathers
         the current shards anew. In its backward the group is unsharded by its own forward, of
-        the same step."""
+        the same step. (An uncaptured forward of a captured group reshards at its end:
+        reshards_after_forward.)"""
         param_group = self.param_group
         if _fsdp2.in_forward(param_group):
             if not _fsdp2.backward_pending(param_group):
@@ -206,6 +207,15 @@ class Bucket:
             return
         if self.lease.captured_path is not None or capture_id(torch.cuda.current_stream(self.pool.device)):
             _fsdp2.to_sharded(param_group)
+
+    def reshards_after_forward(self) -> bool:
+        """Whether FSDP2's reshard at the end of this forward frees the parameters even where
+        reshard_after_forward keeps them: an uncaptured forward of a group a CUDA graph captured.
+        Kept unsharded, they would outlive the next replay, which rewrites the window under them
+        while FSDP2 still holds them as the module's parameters (model.parameters() would return
+        them); resharded, FSDP2's state is the one the captured step ends in."""
+        return (self.cuda and self.lease.captured_path is not None and _fsdp2.in_forward(self.param_group)
+                and not capture_id(torch.cuda.current_stream(self.pool.device)))
 
     def no_grad_forwards_only(self) -> bool:
         """Whether every forward FSDP2 recorded since the group's last backward ran under

@@ -137,6 +137,15 @@ def unshard(self: _fsdp2.FSDPParamGroup, *args: object, **kwargs: object) -> Non
     return _hooks.stock("unshard")(self, *args, **kwargs)
 
 
+def reshard(self: _fsdp2.FSDPParamGroup, *args: object, **kwargs: object) -> None:
+    """FSDP2's reshard, except after an uncaptured forward of a group a CUDA graph captured, which
+    reshards whatever reshard_after_forward says (Bucket.reshards_after_forward)."""
+    bucket = _bucket_of(self.fsdp_params)
+    if bucket is not None and bucket.reshards_after_forward():
+        return _fsdp2.to_sharded(self)
+    return _hooks.stock("reshard")(self, *args, **kwargs)
+
+
 REPLACEMENTS = {
     "foreach_all_gather": foreach_all_gather,
     "foreach_all_gather_copy_out": foreach_all_gather_copy_out,
@@ -144,4 +153,5 @@ REPLACEMENTS = {
     "foreach_reduce_scatter_copy_in": foreach_reduce_scatter_copy_in,
     "free_unsharded_param": free_unsharded_param,
     "unshard": unshard,
+    "reshard": reshard,
 }
