@@ -56,6 +56,18 @@ def step(model, gen, micro=1, sync_pattern=None, last_pattern=None):
     opt.zero_grad()
 
 
+def sgd_steps(model, input_shape, lr, steps=2):
+    """`steps` SGD steps on model(x).sum(), x of `input_shape` from this rank's generator; the
+    sharded params after them."""
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        model(torch.randn(*input_shape, generator=gen)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
 def params_of(model):
     for m in model.modules():  # reshard_after_backward=False leaves them unsharded
         if isinstance(m, torch.distributed.fsdp.FSDPModule):
@@ -639,20 +651,11 @@ def test_several_param_groups_of_one_module_get_pools_of_their_own():
             Shard(0), experts) if p is model.big else None)
         return model
 
-    def train_it(model):
-        gen = torch.Generator().manual_seed(1 + dist.get_rank())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(2):
-            model(torch.randn(3, 8, generator=gen)).backward()
-            opt.step()
-            opt.zero_grad()
-        return [p.to_local().detach().clone() for p in model.parameters()]
-
     def rank_fn(rank):
-        stock = train_it(build())
+        stock = sgd_steps(build(), (3, 8), lr=0.1)
         model = build()
         handle = tide.fsdp.enable(model)
-        mine = train_it(model)
+        mine = sgd_steps(model, (3, 8), lr=0.1)
         tide.fsdp.disable(model)
         return len(handle.buckets), len({p.name for p in handle.pools}), handle.counts(), \
             all(torch.equal(a, b) for a, b in zip(mine, stock))
@@ -1047,21 +1050,12 @@ def test_an_extension_releasing_its_outputs_after_post_all_gather_keeps_its_grou
         fully_shard(model)
         return model
 
-    def train_mlp(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(1 + dist.get_rank())
-        for _ in range(2):
-            model(torch.randn(2, 8, generator=gen)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        return [p.to_local().detach().clone() for p in model.parameters()]
-
     def rank_fn(rank):
-        stock = train_mlp(build())
+        stock = sgd_steps(build(), (2, 8), lr=0.05)
         model = build()
         handle = tide.fsdp.enable(model)
         try:
-            mine = train_mlp(model)
+            mine = sgd_steps(model, (2, 8), lr=0.05)
         finally:
             tide.fsdp.disable(model)
         return all(map(torch.equal, mine, stock)), handle
