@@ -40,6 +40,8 @@
 # (its first GPU is the one used; default 0).
 # Exit status: 0 PASS; 1 FAIL (values differ, or a run failed); 2 bad arguments or missing pieces.
 set -uo pipefail
+# NVLink multicast can take a shared host's GPUs out of service: nothing this script starts uses it.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
