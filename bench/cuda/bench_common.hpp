@@ -5,7 +5,8 @@
 // sweeps and buckets), nccl_baseline.cpp (NCCL's own collectives, compare), ceiling.cpp (copy and
 // kernel ceilings), driver_calls.cpp (the host's and the GPU's time per driver call),
 // interference.cpp (a GEMM beside TIDE-RS / NCCL / a reduce kernel; one_wave_gemm.hpp is that
-// GEMM); the driver is bench_cuda.cpp.
+// GEMM), breakdown.cpp (a small collective's fixed cost, operation by operation); the driver is
+// bench_cuda.cpp.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -54,6 +55,7 @@ struct Args {
   std::string delivery = "default";  // sweep/bucket AG: default | push | cast_to_peers (plan.hpp)
   std::size_t chunk_mib = 16;  // across-node: AcrossNodesOptions::chunk_bytes (each chunk one send/recv)
   std::string wire = "fp32";   // across-node RS: AcrossNodesOptions::wire_dtype
+  int rounds = 3;              // breakdown: rounds of fresh threads, streams and windows
 };
 
 // ---- Results: tab-separated lines appended by children, printed by the parent. -------------
@@ -140,5 +142,8 @@ void driver_calls_child(const Args& args);
 void copy_paths_child(const Args& args);
 // interference.cpp.
 bool run_interference(const Args& args);
+// breakdown.cpp: a small collective's operations timed one by one, and the collectives with the
+// slot-free handshake fused into the cast-to-peers kernel and not (in a child process).
+void breakdown_child(const Args& args);
 
 }  // namespace tide::bench

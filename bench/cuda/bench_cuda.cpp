@@ -13,6 +13,11 @@
 //                                      >= 2 GPUs, one rank each: TIDE on one node (copy engines
 //                                      over NVLink), TIDE with every GPU its own node (NCCL
 //                                      send/recv between them) and NCCL's own collective, same buckets
+//   tide_bench_cuda breakdown [--world 2] [--rounds R]
+//                                      a small collective's fixed cost on the GPU: each operation
+//                                      of the 1 MiB AG / RS timed alone, then the 1 MiB AG, RS and a
+//                                      float8 amax exchange, ranks as threads, slot-free handshake
+//                                      fused into the kernel or a memop call (breakdown.cpp)
 //   tide_bench_cuda interference       one-wave bf16 GEMM alone / beside TIDE-RS / beside a 16-CTA
 //                                      reduce kernel on one GPU (ranks as threads); with >= 2 GPUs
 //                                      also one rank per GPU, beside ncclReduceScatter as well
@@ -71,6 +76,7 @@ void print_summary() {
 
 int main_impl(int argc, char** argv) {
   Args args;
+  bool world_given = false;
   int i = 1;
   if (i < argc && argv[i][0] != '-') args.mode = argv[i++];
   for (; i < argc; ++i) {
@@ -81,7 +87,7 @@ int main_impl(int argc, char** argv) {
     };
     if (a == "--collective") args.collective = value();
     else if (a == "--bucket") args.bucket = value();
-    else if (a == "--world") args.world = std::stoi(value());
+    else if (a == "--world") args.world = std::stoi(value()), world_given = true;
     else if (a == "--min-mib") args.min_mib = std::stoul(value());
     else if (a == "--max-mib") args.max_mib = std::stoul(value());
     else if (a == "--iters") args.iters = std::stoi(value());
@@ -95,6 +101,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--prefixes") args.prefixes = true;
     else if (a == "--cuda-graphs") args.cuda_graphs = true;
     else if (a == "--delivery") args.delivery = value();
+    else if (a == "--rounds") args.rounds = std::stoi(value());
     else throw std::runtime_error("unknown option " + a + " (see the comment atop bench_cuda.cpp)");
   }
   (void)results_path();  // created here, before any fork, so every child appends to the same file
@@ -130,6 +137,11 @@ int main_impl(int argc, char** argv) {
     ok = run_collective(collective_of(args.collective), args.world, bucket_case(args.bucket), args);
   } else if (args.mode == "interference") {
     ok = run_interference(args);
+  } else if (args.mode == "breakdown") {
+    if (!world_given) args.world = 2;
+    if (args.world < 2) throw std::runtime_error("breakdown: --world must be >= 2");
+    // Its table is printed last by the child itself.
+    return run_single_child([&] { breakdown_child(args); }) ? 0 : 1;
   } else if (args.mode == "compare") {
     std::vector<BucketCase> cases = bucket_case(args.bucket);
     const auto sweep = sweep_cases(args, std::min<std::size_t>(args.max_mib, 1024));
@@ -149,7 +161,7 @@ int main_impl(int argc, char** argv) {
     ok &= run_interference(args);
   } else {
     throw std::runtime_error("mode " + args.mode +
-                             ": expected all, ceiling, calls, copy-paths, sweep, bucket, compare or interference");
+                             ": expected all, ceiling, calls, copy-paths, sweep, bucket, compare, interference or breakdown");
   }
   print_summary();
   std::error_code ignored;

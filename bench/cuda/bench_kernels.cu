@@ -164,8 +164,18 @@ void launch_fill_random(void* buffer, DType type, int64_t count, uint64_t seed,
   check(cudaGetLastError(), "fill_random_kernel<<<>>>");
 }
 
+namespace {
+__global__ void empty_kernel() {}
+}  // namespace
+
+void launch_empty_kernel(int grid, cudaStream_t stream) {
+  empty_kernel<<<grid, 32, 0, stream>>>();
+  check(cudaGetLastError(), "empty_kernel launch");
+}
+
 void preload_test_data_kernels() {
   cudaFuncAttributes attributes;
+  check(cudaFuncGetAttributes(&attributes, empty_kernel), "cudaFuncGetAttributes");
   check(cudaFuncGetAttributes(&attributes, fill_random_kernel<DType::kBF16>),
         "cudaFuncGetAttributes");
   check(cudaFuncGetAttributes(&attributes, fill_random_kernel<DType::kFP16>),

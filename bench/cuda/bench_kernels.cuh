@@ -32,6 +32,9 @@ TIDE_HOST_DEVICE inline float random_value(uint64_t seed, int64_t index) {
 void launch_fill_random(void* buffer, DType type, int64_t count, uint64_t seed,
                         cudaStream_t stream);
 
+// A kernel that does nothing, `grid` CTAs of 32 threads: the floor of a launch on the GPU.
+void launch_empty_kernel(int grid, cudaStream_t stream);
+
 // Loads the fill kernels into the current context now, as CudaExecutor does its own kernels when
 // it is created: with ranks as threads, a first launch under lazy loading waits
 // for the whole context, which a peer's stream waiting on a flag never lets go.

@@ -91,8 +91,9 @@ class CudaWindow {
   // `taken` counts rank's sends that peer has received. So every wait is on the waiter's own
   // memory, where the watchdog can release it.
   NetOutbox* mailbox(int rank, int channel, int peer) const;
-  // This rank's CTA counter for the executor's cast-to-peers kernel (src/executor/cuda/kernels.cuh),
-  // zero at creation, a device pointer into the own window's control words.
+  // This rank's two CTA counters for the executor's cast-to-peers kernel
+  // (src/executor/cuda/kernels.cuh: arrivals()[0] counts CTAs done storing, arrivals()[1] CTAs past
+  // a captured run's waits), zero at creation, a device pointer into the own window's control words.
   unsigned int* arrivals() const;
   // Whether every mapped peer's kernels can run while one of this rank's kernels spins on a flag:
   // the peer is a thread of this process (one context: kernels of its streams run side by side)

@@ -33,8 +33,8 @@ constexpr std::size_t kDataAlignment = 256;
 
 using detail::round_up;
 
-// Flags, then the IPC network's mailboxes (at their alignment), then the cast-to-peers kernel's CTA
-// counter: what follows a window's data, zeroed at creation.
+// Flags, then the IPC network's mailboxes (at their alignment), then the cast-to-peers kernel's two
+// CTA counters (16 bytes): what follows a window's data, zeroed at creation.
 std::size_t mailbox_offset(int world) { return round_up(flag_array_bytes(world), alignof(NetOutbox)); }
 std::size_t arrivals_offset(int world) {
   return mailbox_offset(world) + sizeof(NetOutbox) * kNetChannels * static_cast<std::size_t>(world);

@@ -671,12 +671,13 @@ std::string driver_call_counts(int world, int rank, Bootstrap& b) {
 }
 
 // Push: W memop calls (the slot-free signals with the first wait, then per peer its data-ready
-// signal with the next wait), the cast or reduce, W - 1 copies. Cast to peers: the slot-free
-// handshake in one memop call, then the cast-to-peers kernel; without it (peers that time-slice this
-// GPU) a second memop call, the cast (AG) or the W - 1 copies and the reduce (RS).
+// signal with the next wait), the cast or reduce, W - 1 copies. Cast to peers: the cast-to-peers
+// kernel alone, the slot-free handshake included (no memop call); without it (peers that
+// time-slice this GPU) the slot-free handshake in one memop call, a second one, the cast (AG) or
+// the W - 1 copies and the reduce (RS).
 std::string expected_driver_calls(int world, bool beside) {
-  const std::string cast = beside ? "1 1 0 1" : "2 1 0 0";
-  const std::string rs_cast = beside ? "1 1 0 1" : detail::concat("2 1 ", world - 1, " 0");
+  const std::string cast = beside ? "0 1 0 1" : "2 1 0 0";
+  const std::string rs_cast = beside ? "0 1 0 1" : detail::concat("2 1 ", world - 1, " 0");
   const std::string push = detail::concat(world, " 1 ", world - 1, " 0");
   return detail::concat("beside ", beside ? 1 : 0, " | ag push ", push, " | ag cast_to_peers ", cast,
                         " | rs push ", push, " | rs cast_to_peers ", rs_cast);

@@ -165,8 +165,8 @@ TEST(CudaGraphs, ReplaysMatchRunByRunAsThreadsPushing) {
   check_replays_as_threads(replay_scenario(3, Delivery::kPush));
 }
 
-// Ranks as threads share a GPU's SMs: the cast-to-peers kernel runs (kernels.cuh), its waits on
-// the captured value, its flags cleared after it.
+// Ranks as threads share a GPU's SMs: the cast-to-peers kernel runs (kernels.cuh), the slot-free
+// handshake included, its waits on the captured value, its flags reset by the kernel itself.
 TEST(CudaGraphs, ReplaysMatchRunByRunAsThreadsCastingToPeers) {
   TIDE_REQUIRE_GPU();
   check_replays_as_threads(replay_scenario(3, Delivery::kCastToPeers));

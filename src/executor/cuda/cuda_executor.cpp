@@ -30,6 +30,8 @@ CudaExecutor::Impl::Impl(CudaWindow& w, void* s, std::chrono::milliseconds t, Nc
       api(cuda_detail::driver_api()) {
   const char* batch = std::getenv("TIDE_CUDA_BATCH_COPY");
   if (batch && std::string(batch) == "0") batch_copies = false;
+  const char* fuse = std::getenv("TIDE_CUDA_FUSED_HANDSHAKE");
+  if (fuse && std::string(fuse) == "0") fuse_handshake = false;
 }
 
 cudaEvent_t CudaExecutor::Impl::take_event() {

@@ -198,6 +198,9 @@ struct CudaExecutor::Impl {
   std::vector<FlagWord> staging;
   NetOutbox mailbox_staging{};
   bool batch_copies = true;            // cleared once cudaMemcpyBatchAsync turns out unusable
+  // The cast-to-peers kernel takes the slot-free handshake too (one launch, no memop call per
+  // collective); TIDE_CUDA_FUSED_HANDSHAKE=0 when the executor is made: a memop call before it.
+  bool fuse_handshake = true;
   // The lowering of a run of a Program, and the launch arguments built from a lowering, reused
   // run after run (their capacity stays: no allocation per run once warm).
   std::vector<std::byte*> window_data;  // window.data(r) per rank, read at the first run
@@ -323,7 +326,13 @@ struct CudaExecutor::Impl {
   void enqueue_engine_copies(const std::vector<lowering::Copy>& copies, std::size_t first,
                              std::size_t count);
   std::size_t cast_to_peers_start(const Program& program) const;
-  void enqueue_cast_to_peers(const std::vector<Step>& steps, std::size_t first, const Resolve& resolve,
+  struct CastToPeersSplit {
+    std::size_t head;  // the kernel's first step
+    std::size_t tail;  // its first step after a fused slot-free handshake (head when not fused)
+  };
+  CastToPeersSplit cast_to_peers_split(const Program& program) const;
+  void enqueue_cast_to_peers(const std::vector<Step>& steps, std::size_t first, std::size_t tail,
+                             const Resolve& resolve,
                              const Bindings& bindings, uint64_t epoch, uint64_t tag);
   void enqueue_copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                        std::size_t width, std::size_t rows);

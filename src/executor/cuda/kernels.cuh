@@ -107,9 +107,9 @@ class Launches {
 // launch_reduces' and launch_copies' tables (same checks), not launched.
 Launches reduce_launches(const ReduceSpec* specs, std::size_t num_specs, int num_sources, int max_ctas);
 
-// One kernel for the tail of a small single-node program (Delivery::kCastToPeers): its casts and
-// copies (SM stores, into the peers' windows as well), then its signals, then its waits, then its
-// reduces. A collective's fixed cost is host time, a driver call of ~1-7 µs each (BENCHMARKS.md), and
+// One kernel for the tail of a small single-node program (Delivery::kCastToPeers): its slot-free
+// handshake where the executor fuses it (below), its casts and copies (SM stores, into the peers'
+// windows as well), then its signals, then its waits, then its reduces. A collective's fixed cost is host time, a driver call of ~1-7 µs each (BENCHMARKS.md), and
 // this turns the tail's calls (a cast or push, a memop, a reduce launch) into one launch. Order and
 // visibility are the stream operations':
 //   signals  written by the last CTA to finish its stores, after a system-wide fence by every
@@ -121,6 +121,15 @@ Launches reduce_launches(const ReduceSpec* specs, std::size_t num_specs, int num
 //            stream wait, and releases it the same way (it writes the awaited words into the own
 //            flags; the copy completes while the kernel spins);
 //   reduces  after the waits, so the peers' chunks in the own window are visible.
+// The fused head (free_signals, free_waits: the slot-free handshake, which otherwise is a stream
+// memop call before the launch): CTA 0's first thread signals every peer when the kernel starts
+// (every earlier operation of the stream has completed then), and every CTA's first thread spins
+// on the own slot-free flags before its first store, between watchdog marks of their own (a
+// second record, as a memop call's would be). A captured run (`equal`) resets the flags it waited on, in the kernel, so no clear
+// follows it: the slot-free flags by the last CTA to arrive, before its data-ready signals (a peer
+// signals slot-free again only after it has seen them), the data-ready flags by the last CTA to
+// get past them (the window's second counter; a peer signals data-ready again only after this
+// rank's next slot-free signal, which comes after this kernel ends).
 // The CTAs that spin hold SMs while they wait, so this is for small buckets only, at most one CTA
 // per SM and rank on the GPU, and only where every peer's kernels can run while this one waits
 // (ranks that are threads of this process, or on other GPUs: CudaWindow::peers_run_beside_own()).
@@ -155,16 +164,21 @@ struct CastToPeersSpec {
   int num_signals = 0;
   const uint64_t* waits[kCastToPeersPeers] = {};  // own FlagWords
   int num_waits = 0;
+  uint64_t* free_signals[kCastToPeersPeers] = {};  // the fused slot-free handshake: peers' FlagWords
+  int num_free_signals = 0;
+  uint64_t* free_waits[kCastToPeersPeers] = {};    // own FlagWords (reset to 0 by a captured run)
+  int num_free_waits = 0;
   uint64_t epoch = 0;
   uint64_t tag = 0;
   // A captured run (CUDA graph): its flags carry a fixed value that every replay writes, and a
-  // wait passes when the flag's epoch word equals `epoch` (GEQ otherwise); the executor clears the
-  // awaited flags after the kernel, so the next replay waits for the next signal.
+  // wait passes when the flag's epoch word equals `epoch` (GEQ otherwise); the kernel resets the
+  // awaited flags (above), so the next replay waits for the next signal.
   bool equal = false;
-  unsigned int* arrivals = nullptr;  // the window's CTA counter: 0 between launches
+  unsigned int* arrivals = nullptr;  // the window's two CTA counters (arrivals[0], [1]): 0 between launches
   uint64_t* reached = nullptr;       // the watchdog's marks (device addresses of host memory)
   uint64_t* passed = nullptr;
-  uint64_t wait_id = 0;
+  uint64_t wait_id = 0;       // the waits' watched record
+  uint64_t free_wait_id = 0;  // the fused slot-free waits' (marked in the same slot)
   int ranks_on_gpu = 1;                 // ranks whose cast-to-peers kernels share this GPU (the grid's share)
   const ReduceSpec* reduces = nullptr;  // none writing what another reads or writes
   std::size_t num_reduces = 0;

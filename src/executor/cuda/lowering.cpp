@@ -153,7 +153,8 @@ void CudaExecutor::Impl::enqueue_program(const Program& program, const Bindings&
           TIDE_CUDA_CHECK(cudaStreamWaitEvent(stream, group_done[schedule.wait_before[c.step]], 0));
         break;
       case lowering::CommandKind::kCastToPeers:
-        enqueue_cast_to_peers(steps, c.step, resolve, bindings, epoch, tag);
+        enqueue_cast_to_peers(steps, c.step, cast_to_peers_split(program).tail, resolve, bindings,
+                              epoch, tag);
         break;
       case lowering::CommandKind::kCasts: enqueue_casts(steps, c.step, c.end, resolve, bindings); break;
       case lowering::CommandKind::kReduceKernel:
@@ -197,8 +198,15 @@ bool cast_to_peers_enabled() {
 // casts, 1-D copies), signals, waits and reduces, when the program and the executor allow it
 // (lowering's header); steps.size() otherwise.
 std::size_t CudaExecutor::Impl::cast_to_peers_start(const Program& program) const {
+  return cast_to_peers_split(program).head;
+}
+
+// {head, tail}: the kernel runs steps [head, size); [head, tail) is its fused slot-free handshake
+// (empty when not fused), from tail on its stores, data-ready handshake and reduces. Both
+// steps.size() when the program has no such tail.
+CudaExecutor::Impl::CastToPeersSplit CudaExecutor::Impl::cast_to_peers_split(const Program& program) const {
   const std::vector<Step>& steps = program.steps;
-  const std::size_t none = steps.size();
+  const CastToPeersSplit none{steps.size(), steps.size()};
   if (program.delivery != Delivery::kCastToPeers || !window.peers_run_beside_own() ||
       !cast_to_peers_enabled())
     return none;
@@ -228,9 +236,19 @@ std::size_t CudaExecutor::Impl::cast_to_peers_start(const Program& program) cons
       break;
     }
   }
-  return cuda_kernels::cast_to_peers_fits(casts, copies, signals, waits, reduces, static_cast<int>(sources))
-             ? k
-             : none;
+  if (!cuda_kernels::cast_to_peers_fits(casts, copies, signals, waits, reduces, static_cast<int>(sources)))
+    return none;
+  // The slot-free handshake before the stores (its signals to every peer, then its waits): the
+  // kernel's head as well, where it is fused (one launch and no memop call per collective).
+  if (!fuse_handshake) return {k, k};
+  std::size_t head = k;
+  int free_waits = 0, free_signals = 0;
+  auto slot_free = [](const auto* op) { return op && op->kind == FlagKind::kSlotFree; };
+  for (; head > 0 && slot_free(std::get_if<WaitOp>(&steps[head - 1].op)); --head) ++free_waits;
+  for (; head > 0 && slot_free(std::get_if<SignalOp>(&steps[head - 1].op)); --head) ++free_signals;
+  const bool fused = free_waits > 0 && free_signals > 0 && free_waits <= cuda_kernels::kCastToPeersPeers &&
+                     free_signals <= cuda_kernels::kCastToPeersPeers;
+  return {fused ? head : k, k};
 }
 
 // The tail from `first` on (cast_to_peers_start) as one cast-to-peers kernel: its stores, its signals, its
@@ -242,7 +260,7 @@ static const float* scale_of(const CastOp& cast, const Bindings& bindings) {
 }
 
 void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, std::size_t first,
-                                         const Resolve& resolve, const Bindings& bindings,
+                                         std::size_t tail, const Resolve& resolve, const Bindings& bindings,
                                          uint64_t epoch, uint64_t tag) {
   const int rank = window.rank(), world = window.world();
   std::vector<cuda_kernels::CastSpec> casts;
@@ -253,7 +271,7 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
   spec.epoch = epoch, spec.tag = tag, spec.equal = capturing;
   spec.arrivals = window.arrivals();
   spec.ranks_on_gpu = window.ranks_on_gpu();
-  std::optional<PendingWait> record;
+  std::optional<PendingWait> head_record, record;  // the fused slot-free waits', the others'
   for (std::size_t i = first; i < steps.size(); ++i) {
     const Step& step = steps[i];
     if (const auto* cast = std::get_if<CastOp>(&step.op)) {
@@ -270,14 +288,23 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
       for (const CopyOp& c : batch->copies)
         if (c.bytes > 0) copies.push_back({resolve(c.src), resolve(c.dst), c.bytes});
     } else if (const auto* signal = std::get_if<SignalOp>(&step.op)) {
+      // Steps before `tail`: the fused slot-free handshake (cast_to_peers_split).
       FlagWord* flag = window.flags(signal->peer) + flag_index(signal->kind, rank, world);
-      spec.signals[spec.num_signals++] = &flag->epoch;
+      if (i < tail)
+        spec.free_signals[spec.num_free_signals++] = &flag->epoch;
+      else
+        spec.signals[spec.num_signals++] = &flag->epoch;
     } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
-      if (!record)
-        record = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, step.phase, capturing);
+      // Two watched records, as two memop calls would be: the watchdog names the handshake that
+      // is stuck (a captured kernel resets its slot-free flags before its data-ready waits).
+      std::optional<PendingWait>& r = i < tail ? head_record : record;
+      if (!r) r = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, step.phase, capturing);
       FlagWord* flag = window.flags(rank) + flag_index(wait->kind, wait->peer, world);
-      spec.waits[spec.num_waits++] = &flag->epoch;
-      record->flags.push_back({flag, wait->kind, wait->peer, step.phase});
+      if (i < tail)
+        spec.free_waits[spec.num_free_waits++] = &flag->epoch;
+      else
+        spec.waits[spec.num_waits++] = &flag->epoch;
+      r->flags.push_back({flag, wait->kind, wait->peer, step.phase});
     } else {
       const ReduceOp& reduce = std::get<ReduceOp>(step.op);
       for (const Address& a : reduce.sources) sources.push_back(resolve(a));
@@ -300,16 +327,11 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
     spec.passed = reinterpret_cast<uint64_t*>(marks->passed_address(record->slot));
     spec.wait_id = record->id;
   }
+  if (head_record) spec.free_wait_id = head_record->id;  // the same stream: the same slot
+  // A captured kernel resets the flags it waited on itself (kernels.cuh): no clear follows it.
   launch_timed(KernelKind::kCastToPeers, stream, [&] { return cuda_kernels::launch_cast_to_peers(spec, stream); });
   ++stats.cast_to_peers_kernels;
-  if (record && capturing) {  // every CTA has passed the waits once the kernel ends: clear them
-    std::array<CUstreamBatchMemOpParams, cuda_kernels::kCastToPeersPeers> clears;
-    for (std::size_t k = 0; k < record->flags.size(); ++k)
-      clears[k] = write_value(reinterpret_cast<CUdeviceptr>(&record->flags[k].flag->epoch), 0);
-    TIDE_CU_CHECK(api.stream_batch_mem_op(stream, static_cast<unsigned>(record->flags.size()),
-                                          clears.data(), 0));
-    ++stats.mem_op_calls;
-  }
+  if (head_record) watch(std::move(*head_record));
   if (record) watch(std::move(*record));
 }
 
