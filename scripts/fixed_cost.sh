@@ -9,6 +9,7 @@
 #   scripts/fixed_cost.sh                 # BASE=2a0b14f
 #   BASE= scripts/fixed_cost.sh           # this tree only
 #   TIDE_PREBUILT=dir scripts/fixed_cost.sh   # this tree's tide_bench_cuda already built in dir
+#   TIDE_BASE_PREBUILT=dir scripts/fixed_cost.sh   # the base's, built in dir (where no .git travels)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
@@ -34,7 +35,9 @@ else
   NEW=$ROOT/build-fixed-cost/bench/cuda/tide_bench_cuda
 fi
 OLD=""
-if [[ -n "$BASE" ]] && git -C "$ROOT" rev-parse --verify -q "$BASE^{commit}" >/dev/null; then
+if [[ -n "${TIDE_BASE_PREBUILT:-}" && -x "$TIDE_BASE_PREBUILT/tide_bench_cuda" ]]; then
+  OLD=$TIDE_BASE_PREBUILT/tide_bench_cuda
+elif [[ -n "$BASE" ]] && git -C "$ROOT" rev-parse --verify -q "$BASE^{commit}" >/dev/null; then
   say "building base $BASE"
   rm -rf /tmp/tide-base && mkdir -p /tmp/tide-base &&
     git -C "$ROOT" archive "$BASE" | tar -x -C /tmp/tide-base &&

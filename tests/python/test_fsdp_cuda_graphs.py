@@ -93,6 +93,14 @@ class _Stepper:
             self.step = self.make(batch)
         return self.step(*batch)
 
+    def destroy(self) -> None:
+        """Destroys the graph, as a user must before tide.fsdp.disable (which refuses while a
+        graph that replays the group's collectives lives)."""
+        if self.wrapper == "torchtitan":
+            from torchtitan.distributed.cudagraph import cudagraph_teardown
+            cudagraph_teardown()
+        self.step = None
+
 
 def _error_chain(e: BaseException) -> str:
     """An error and the ones it was raised while handling (a refused capture's CUDA error at
@@ -137,8 +145,12 @@ def train(rank: int, world: int, device, name: str, mode: str) -> dict:
         torch.cuda.synchronize()
     except BaseException:
         with contextlib.suppress(Exception):  # the step's own error is the result
+            if mode != "eager":
+                step.destroy()
             tide.fsdp.disable(model)
         raise
+    if mode != "eager":
+        step.destroy()
     tide.fsdp.disable(model)
     return {"losses": [x.float().cpu() for x in losses],
             "params": [p.to_local().detach().float().cpu() for p in model.parameters()],
@@ -164,12 +176,6 @@ def train_every_config(rank: int, world: int, device) -> dict:
                 results[name, mode] = train(rank, world, device, name, mode)
             except Exception as e:  # noqa: BLE001 - reported by the test of that configuration
                 results[name, mode] = _error_chain(e)
-            finally:
-                try:
-                    from torchtitan.distributed.cudagraph import cudagraph_teardown
-                    cudagraph_teardown()
-                except Exception:  # noqa: BLE001 - no torchtitan: _Stepper said so
-                    pass
     return results
 
 

@@ -13,6 +13,18 @@ from __future__ import annotations
 import torch
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: int) -> torch.cuda.Stream:
+    """One side stream per device for every step, as torchtitan's graph manager keeps one: torch
+    keeps a cuBLAS workspace per stream for the life of the process, so a stream per step would
+    grow memory with every capture."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 class CapturedStep:
     def __init__(self, fn, capture_error_mode: str = "thread_local"):
         if capture_error_mode not in ("thread_local", "global"):
@@ -21,7 +33,7 @@ class CapturedStep:
         self.fn, self.mode = fn, capture_error_mode
         self.calls = 0
         self.graph = self.inputs = self.output = None
-        self.side = torch.cuda.Stream()
+        self.side = _side_stream(torch.cuda.current_device())
 
     @property
     def replays(self) -> int:

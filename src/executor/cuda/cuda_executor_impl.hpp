@@ -162,6 +162,7 @@ using Resolve = std::function<std::byte*(const Address&)>;
 // A program's lowering and the pointers it was made for (PreparedProgram, cuda.hpp).
 struct PreparedProgram::Lowered {
   bool valid = false;  // commands and schedule were made for `bindings`
+  bool captured = false;  // ... for a captured run (cast_to_peers_split fuses run by run only)
   Bindings bindings;
   bool has_net = false;
   // Params whose casts read a scale: a reused lowering still checks their Bindings::scales, which

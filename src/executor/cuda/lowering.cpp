@@ -72,6 +72,7 @@ bool CudaExecutor::Impl::check_capture(const Program& program) {
 void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
                              PreparedProgram::Lowered& lowered, bool reuse) {
   const bool captured = check_capture(program);
+  reuse = reuse && lowered.captured == captured;  // a capture lowers the slot-free head unfused
   if (!reuse) {
     lowered.valid = false;
     validate_run(program, bindings, window.rank(), window.world(), window.data_bytes(),
@@ -83,14 +84,15 @@ void CudaExecutor::Impl::run(const Program& program, const Bindings& bindings,
   // Past this point the window's epoch and network counters have moved: a failure while
   // enqueuing leaves this executor out of step with its peers, so it fails for good.
   try {
+    capturing = captured;  // the lowering reads it (cast_to_peers_split)
     if (!reuse) {
       lower(program, bindings, lowered);
+      lowered.captured = captured;
       if (&lowered != &one_shot) lowered.bindings = bindings;  // a one-shot lowering is not reused
       lowered.valid = true;
       ++stats.lowerings;
     }
     if (captured) adopt_capture();
-    capturing = captured;
     enqueue_program(program, bindings, lowered, captured ? kCapturedEpoch : epoch, program.tag());
     capturing = false;
   } catch (...) {
@@ -239,8 +241,10 @@ CudaExecutor::Impl::CastToPeersSplit CudaExecutor::Impl::cast_to_peers_split(con
   if (!cuda_kernels::cast_to_peers_fits(casts, copies, signals, waits, reduces, static_cast<int>(sources)))
     return none;
   // The slot-free handshake before the stores (its signals to every peer, then its waits): the
-  // kernel's head as well, where it is fused (one launch and no memop call per collective).
-  if (!fuse_handshake) return {k, k};
+  // kernel's head as well, where it is fused (one launch and no memop call per collective). Not
+  // in a capture: replays of the fused kernel took 68-77 us where the memop head's took 24-38 us
+  // (one H200, ranks as threads, BENCHMARKS.md's breakdown), cudaGraphLaunch itself taking ~77 us.
+  if (!fuse_handshake || capturing) return {k, k};
   std::size_t head = k;
   int free_waits = 0, free_signals = 0;
   auto slot_free = [](const auto* op) { return op && op->kind == FlagKind::kSlotFree; };
