@@ -221,6 +221,23 @@ def _local(tensors) -> list:
     return [t.to_local().detach().cpu().clone() for t in tensors]
 
 
+def _full_tensor(sp) -> torch.Tensor:
+    """sp.full_tensor(), gathered through host memory: on CUDA tensors over gloo (ranks sharing a
+    GPU), full_tensor()'s functional all-gather ends the process with SIGSEGV (torch 2.11). FSDP2's
+    shard on its last mesh dim is torch.chunk's, on the placement's dim (uneven: padded here)."""
+    dim, group = sp.placements[-1].dim, sp.device_mesh.get_group(-1)
+    world, full = dist.get_world_size(group), sp.shape[dim]
+    sizes = [len(c) for c in torch.arange(full).chunk(world)] + [0] * world
+    rows = -(-full // world)
+    local = sp.to_local().detach().cpu()
+    pad = list(local.shape)
+    pad[dim] = rows - local.shape[dim]
+    padded = torch.cat([local, local.new_zeros(pad)], dim)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, sizes[r]) for r, p in enumerate(parts)], dim).to(sp.device)
+
+
 def reduction_bounds(stock, mirror, opts, world, device, batches) -> list:
     """Per element of this rank's gradient shards, how far stock's and TIDE's reductions of the
     ranks' gradients g_r may differ (rounding.reduction_bound_scale times sum_r |g_r|), with u the
@@ -230,7 +247,7 @@ def reduction_bounds(stock, mirror, opts, world, device, batches) -> list:
     least |their sum|)."""
     with torch.no_grad():
         for unsharded, sp in zip(mirror.parameters(), stock.parameters()):
-            unsharded.copy_(sp.full_tensor())
+            unsharded.copy_(_full_tensor(sp))
     compute = mirror.to(opts["mp"][0]) if "mp" in opts else mirror
     magnitude = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in compute.parameters()]
     for tokens in batches:
