@@ -30,7 +30,10 @@
 # --module tide.torchtitan ...: that driver calls torchtitan.train.main() (what `-m torchtitan.train`
 # runs) after its launcher-side shims, which stay out of the product (its docstring lists them:
 # gloo for the process group, as NCCL refuses two ranks on one GPU; torch.distributed.set_timeout
-# where torch lacks it; a stand-in for `datasets` where that is not installed), and records what the
+# where torch lacks it; for a torch older than torchtitan 0.3.0's, as the GPU machine's 2.11, each
+# where torch lacks the thing: a stand-in for torch.distributed.fsdp.DataParallelMeshDims, and the
+# debug config's chunked loss run unchunked (2.11's FSDP2 cannot run it: the dry run names the
+# loss); a stand-in for `datasets` where that is not installed), and records what the
 # trainer logs as float.hex. Every rank is on cuda:0: one GPU is made visible.
 # The tokenizer and data sets are made here (nothing is downloaded): torchtitan_cpu.make_assets.
 #
@@ -107,7 +110,8 @@ fi
 # partial_dtensor, not torchtitan 0.3.0's default spmd_types: with that one its parallelize passes
 # fully_shard dp_mesh_dims over parameters it left plain, and torch 2.13's fully_shard refuses them
 # ("all parameters must be DTensors on the full SPMD mesh"), stock as with TIDE (TIDE is enabled
-# later); tests/python/test_torchtitan.py runs partial_dtensor and full_dtensor. `-- FLAGS` come
+# later); tests/python/test_torchtitan.py runs partial_dtensor and full_dtensor. torch 2.11's
+# fully_shard has no dp_mesh_dims at all: there only partial_dtensor runs. `-- FLAGS` come
 # last and override it.
 common_args() {
   printf '%s\n' --module tide.torchtitan --config llama3_debugmodel --parallelism.spmd_backend partial_dtensor \

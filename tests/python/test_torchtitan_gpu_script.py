@@ -20,7 +20,15 @@ SCRIPT = ROOT / "scripts" / "torchtitan_gpu.sh"
 sys.path.insert(0, str(Path(__file__).parent))
 import torchtitan_shared_gpu as driver  # noqa: E402
 
-HAS_TITAN = importlib.util.find_spec("torchtitan") is not None
+# torchtitan as the script finds it: installed, or the folder it puts on PYTHONPATH (TIDE_TITAN_PATH,
+# default build-titan/). torchtitan's model registries import triton, so without it the script's
+# parse fails (tide.torchtitan finds no llama3_debugmodel): the parse cannot be checked here.
+TITAN_PATH = Path(os.environ.get("TIDE_TITAN_PATH") or ROOT / "build-titan")
+HAS_TITAN = importlib.util.find_spec("torchtitan") is not None or (TITAN_PATH / "torchtitan").is_dir()
+NO_TRITON = (f"torchtitan is found ({'installed' if importlib.util.find_spec('torchtitan') else TITAN_PATH}) but "
+             f"triton does not import with {sys.executable}: torchtitan's model registries import it, so the "
+             "script's dry run cannot parse its runs here (scripts/torchtitan_check.sh's venv has both)"
+             if HAS_TITAN and importlib.util.find_spec("triton") is None else "")
 
 
 def script(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -41,6 +49,7 @@ def test_bad_arguments_are_refused(tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(bool(NO_TRITON), reason=NO_TRITON)
 def test_dry_run_prints_both_runs_and_runs_nothing(tmp_path):
     out = script("--dry-run", "--steps", "8", "--val-freq", "3", "--out", str(tmp_path / "out"), "--",
                  "--parallelism.spmd_backend", "full_dtensor")
@@ -68,6 +77,7 @@ def test_dry_run_prints_both_runs_and_runs_nothing(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_TITAN, reason="torchtitan not installed (scripts/torchtitan_check.sh's venv has it)")
+@pytest.mark.skipif(bool(NO_TRITON), reason=NO_TRITON)
 def test_dry_run_fails_a_flag_torchtitan_does_not_have(tmp_path):
     out = script("--dry-run", "--out", str(tmp_path), "--", "--training.no_such_flag", "1")
     assert out.returncode == 2 and "CHECK FAILED: torchtitan does not parse the captured run's arguments" in out.stdout

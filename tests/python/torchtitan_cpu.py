@@ -6,8 +6,10 @@ what it saw as JSON.
         tests/python/torchtitan_cpu.py --module tide.torchtitan --config llama3_debugmodel ...
 
 TEST-ONLY. The "CPU shims" (1-2 below at import, 3-5 applied to whatever config --module/--config
-loads) exist because torchtitan 0.3.0 itself (TIDE off too) assumes a GPU; none of them touches
-TIDE, and stock and TIDE runs get the same ones. TIDE_TITAN_FORCE_SUM=0 leaves out shim 4 (only
+loads) exist because torchtitan 0.3.0 itself (TIDE off too) assumes a GPU; the "torch shims" (A-B,
+at import, on CPU and GPU: tests/python/torchtitan_shared_gpu.py imports this module) because it
+assumes a torch newer than 2.11, each applied only where torch lacks what it uses. None of them
+touches TIDE, and stock and TIDE runs get the same ones. TIDE_TITAN_FORCE_SUM=0 leaves out shim 4 (only
 for runs where TIDE takes every reduce-scatter). The driver (record_and_run) only records (losses,
 gradient norms, validation losses, a hash of the final parameter shards, TIDE's handle); it changes
 nothing else; tests/python/torchtitan_shared_gpu.py runs it on one GPU. `make_assets` writes the
@@ -22,9 +24,85 @@ import hashlib
 import json
 import os
 import random
+import sys
 
 import torch
 import torch.distributed as dist
+
+
+# -------------------------------------------------------------------------------------- torch shims
+# For a torch that lacks what torchtitan 0.3.0 uses (torch 2.13 has all of it; the GPU machine's 2.11
+# does not). Each is applied at import, CPU or GPU, only where torch lacks the thing.
+def install_data_parallel_mesh_dims() -> bool:
+    """A. torch.distributed.fsdp.DataParallelMeshDims where torch lacks it (torchtitan's fsdp and
+    full_dtensor modules import it at import time): a copy of torch 2.13's dataclass. Enough for
+    partial_dtensor, where torchtitan never passes one to fully_shard; full_dtensor and spmd_types
+    pass it as fully_shard(dp_mesh_dims=...), which a torch without it lacks (nor does its
+    fully_shard take parameters already DTensors on the full SPMD mesh), so they fail there with a
+    TypeError: no shim translates that. Whether it was installed."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return False
+
+    @dataclasses.dataclass
+    class DataParallelMeshDims:
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+        def __post_init__(self):
+            if self.shard is None and self.replicate is None:
+                raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+        @property
+        def shard_names(self) -> tuple[str, ...]:
+            return () if self.shard is None else (self.shard,) if isinstance(self.shard, str) else tuple(self.shard)
+
+        @property
+        def replicate_names(self) -> tuple[str, ...]:
+            return (() if self.replicate is None else (self.replicate,) if isinstance(self.replicate, str)
+                    else tuple(self.replicate))
+
+    DataParallelMeshDims.__module__ = "torch.distributed.fsdp"
+    DataParallelMeshDims.__qualname__ = "DataParallelMeshDims"
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
+    return True
+
+
+def install_unchunked_loss() -> bool:
+    """B. The loaded config's ChunkedLossWrapper replaced by the loss it wraps (its ``loss_fn``, as
+    torchtitan's own llama3_debugmodel_ce_loss config does) where torch's FSDP2 cannot complete a
+    grouped unit one of whose modules skipped forward (torch 2.13 completes it from the root's
+    post-forward: FSDPState._force_complete_incomplete_states). The wrapper skips lm_head in the
+    model's forward and runs it per chunk; lm_head shares a unit with the final norm
+    (fully_shard([norm, lm_head])), and a torch without that completion never registers the unit's
+    pre-backward hook on the norm's output, so the norm's backward finds its weight resharded
+    (stock FSDP2 too: "data is not allocated yet"). Same loss, one lm_head call over the whole
+    sequence; both runs of a comparison get it. Whether it was installed."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    if hasattr(FSDPState, "_force_complete_incomplete_states"):
+        return False
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.config.manager import ConfigManager
+
+    load = ConfigManager._load_config
+
+    def load_unchunked(self, args):
+        config, rest = load(self, args)
+        if isinstance(config.loss, ChunkedLossWrapper.Config):
+            print(f"torchtitan_cpu: torch {torch.__version__}'s FSDP2 cannot run ChunkedLossWrapper over the "
+                  f"grouped [norm, lm_head] unit: its loss_fn ({type(config.loss.loss_fn).__qualname__}) "
+                  "is used unchunked", file=sys.stderr)
+            config.loss = config.loss.loss_fn
+        return config, rest
+
+    ConfigManager._load_config = load_unchunked
+    return True
+
+
+# A, before anything imports torchtitan: it imports DataParallelMeshDims (torch 2.13 has it, 2.11 not).
+install_data_parallel_mesh_dims()
 
 
 # ---------------------------------------------------------------------------------------- CPU shims
@@ -74,6 +152,8 @@ if not hasattr(dist, "set_timeout"):
     from torch.distributed import distributed_c10d
 
     dist.set_timeout = lambda timeout, group=None: distributed_c10d._set_pg_timeout(timeout, group)
+# B. torchtitan's chunked loss needs FSDP2 to complete a partly run grouped unit (torch 2.13 does, 2.11 not).
+install_unchunked_loss()
 
 
 def cpu_config(config, force_sum: bool = True):

@@ -16,7 +16,12 @@ none of these touches TIDE, and both runs of a comparison get the same ones:
      group fell back to the process group); what is left to gloo is torchtitan's own all-reduces
      of token counts, losses and the gradient norm, outside the captured forward + backward.
   2. torch.distributed.set_timeout where torch lacks it (torchtitan_cpu.py's shim 2, applied when
-     that module is imported).
+     that module is imported), and torchtitan_cpu.py's torch shims for a torch older than
+     torchtitan 0.3.0's (the GPU machine's 2.11), applied there too, each only where torch lacks
+     the thing: A. a stand-in for torch.distributed.fsdp.DataParallelMeshDims (for the import;
+     partial_dtensor passes none to fully_shard); B. the config's ChunkedLossWrapper replaced by
+     the loss it wraps, where FSDP2 cannot complete the [norm, lm_head] unit whose lm_head the
+     model's forward skips (the dry run's summary names the loss).
   3. A stand-in for the ``datasets`` package where it is not installed: torchtitan's text data
      set imports it at import time, and it does not fit the folder carried to a GPU machine with
      no registry (it needs pyarrow and pandas). It reads the local JSON-lines data set
@@ -190,6 +195,9 @@ def compare_main(argv: list[str]) -> int:
 def parse_only(argv: list[str]) -> str:
     """The config torchtitan's own ConfigManager makes of `argv` (the trainer's arguments), in one
     line: every flag and value is checked as the trainer checks them, and nothing runs."""
+    sys.path.insert(0, HERE)
+    import torchtitan_cpu  # noqa: F401  (its torch shims A-B at import, as the runs get them)
+
     install_datasets_stub()
     from torchtitan.config import ConfigManager
 
@@ -201,12 +209,12 @@ def parse_only(argv: list[str]) -> str:
             f"spmd backend {c.parallelism.spmd_backend}, validation "
             f"{'every ' + str(c.validator.freq) + ' steps (and step 1), ' + str(c.validator.steps) + ' steps each' if c.validator.enable else 'off'}, "
             f"TIDE {'on' if spec.post_optimizer_build_fn is not None and 'enable_tide' in spec.post_optimizer_build_fn.__qualname__ else 'off'}, "
-            f"seed {c.debug.seed}")
+            f"seed {c.debug.seed}, loss {type(c.loss).__qualname__.removesuffix('.Config')}")
 
 
 def main() -> None:
     sys.path.insert(0, HERE)
-    import torchtitan_cpu  # its shim 2 at import; its CPU shims (shim 1 at import) only without CUDA
+    import torchtitan_cpu  # its shim 2 and torch shims A-B at import; its CPU shims (1 at import) only without CUDA
 
     if torch.cuda.is_available():
         install_gloo_process_group()
