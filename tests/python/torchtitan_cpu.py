@@ -101,6 +101,31 @@ def install_unchunked_loss() -> bool:
     return True
 
 
+def install_block_mask_without_separate_full_blocks() -> bool:
+    """C. torchtitan's flex-attention masks (CUDA) pass create_block_mask(separate_full_blocks=),
+    which torch 2.11 lacks: there every BlockMask keeps its full blocks apart, which is what
+    separate_full_blocks=True asks for, so the keyword is dropped when True (False, torchtitan's
+    batch-invariant mode, has no equivalent there and raises). Whether it was installed."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
+        return False
+    from torchtitan.models.common import attention
+
+    compiled = attention._compiled_create_block_mask
+
+    def without_keyword(*args, separate_full_blocks: bool = True, **kwargs):
+        if not separate_full_blocks:
+            raise NotImplementedError(f"torch {torch.__version__}'s create_block_mask always separates "
+                                      "full blocks: batch-invariant flex attention needs a newer torch")
+        return compiled(*args, **kwargs)
+
+    attention._compiled_create_block_mask = without_keyword  # create_attention_mask looks it up per call
+    return True
+
+
 # A, before anything imports torchtitan: it imports DataParallelMeshDims (torch 2.13 has it, 2.11 not).
 install_data_parallel_mesh_dims()
 
@@ -154,6 +179,8 @@ if not hasattr(dist, "set_timeout"):
     dist.set_timeout = lambda timeout, group=None: distributed_c10d._set_pg_timeout(timeout, group)
 # B. torchtitan's chunked loss needs FSDP2 to complete a partly run grouped unit (torch 2.13 does, 2.11 not).
 install_unchunked_loss()
+# C. torchtitan's flex-attention masks pass a create_block_mask keyword that torch 2.11 lacks.
+install_block_mask_without_separate_full_blocks()
 
 
 def cpu_config(config, force_sum: bool = True):
