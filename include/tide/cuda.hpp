@@ -145,7 +145,8 @@ class CudaWindow {
 // A fixed device address range that shows a VMM window's data: reserve it once per bucket, then
 // map the data of whichever pooled window holds the bucket now. Tensors viewing data() stay valid
 // across remaps (autograd's saved views of unsharded params: docs/DESIGN.md §5). Map and unmap only
-// while no work on the range or the window is in flight.
+// while no work on the range or the window is in flight; the destructor synchronizes the range's
+// device before it unmaps.
 class CudaAddressRange {
  public:
   // A range for `bytes` of window data on the current device. The address space is reserved at

@@ -352,6 +352,19 @@ CudaAddressRange::CudaAddressRange(std::size_t bytes) : bytes_(bytes) {
 }
 
 CudaAddressRange::~CudaAddressRange() {
+  // Kernels that read the range through tensors viewing data() may still be queued on any stream
+  // of its device: a backward that raised leaves them behind the host, which then tears the
+  // buckets down. Unmapping under them is an illegal address, so teardown waits for the device
+  // (once per range; a remap waits for the params' last readers instead, _window.py).
+  if (mapped_) {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess &&
+        (current == device_ || cudaSetDevice(device_) == cudaSuccess)) {
+      (void)cudaDeviceSynchronize();
+      if (current != device_) (void)cudaSetDevice(current);
+    }
+    (void)cudaGetLastError();
+  }
   unmap();
   if (base_)
     (void)cuda_detail::driver_api().mem_address_free(reinterpret_cast<CUdeviceptr>(base_), reserved_);

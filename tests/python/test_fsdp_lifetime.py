@@ -244,3 +244,45 @@ def test_kept_view_thread_ranks():
 @pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_kept_view_process_ranks(device_type):
     check_view(h.run_processes(2, view_rank, device_type=device_type))
+
+
+# --- teardown while the backward's kernels are still queued -------------------------------------------
+
+def queued_teardown_rank(rank, world, device):
+    """A backward whose last kernels (block 0's, reading its group's fixed address) sit behind a
+    sleep on the GPU when the host disables TIDE and drops its handle: the teardown must wait for
+    them, not unmap the addresses under them (an illegal address, seen after a backward that raised)."""
+    import gc
+    import weakref
+
+    x = inputs(world)[rank * BATCH:(rank + 1) * BATCH].to(device)
+    stock = build(device)
+    stock(x).sum().backward()
+    model = build(device)
+    handle = tide.fsdp.enable(model, timeout_ms=30000)
+
+    def queue_behind_a_sleep(module, args, out):  # block 0's backward kernels wait ~0.5 s on the GPU
+        out.register_hook(lambda grad: (torch.cuda._sleep(1 << 30), grad)[1])
+
+    sleep = model.blocks[0].register_forward_hook(queue_behind_a_sleep)
+    model(x).sum().backward()
+    sleep.remove()
+    queued = not torch.cuda.current_stream(device).query()  # the teardown below races the GPU
+    leases = [weakref.ref(b.lease) for b in handle.buckets]
+    tide.fsdp.disable(model)
+    del handle
+    gc.collect()
+    freed = all(lease() is None for lease in leases)  # their address ranges were destroyed
+    torch.cuda.synchronize(device)
+    return {"queued": queued, "freed": freed,
+            "equal": all(torch.equal(a.grad.to_local().cpu(), b.grad.to_local().cpu())
+                         for a, b in zip(model.parameters(), stock.parameters()))}
+
+
+@gpu
+def test_cuda_teardown_waits_for_queued_readers_of_the_fixed_addresses():
+    for rank, r in enumerate(h.run_processes(2, queued_teardown_rank, device_type="cuda")):
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+        assert r["queued"], f"rank {rank}: the GPU was idle at the teardown, which then raced nothing"
+        assert r["freed"], f"rank {rank}: the buckets' leases (their address ranges) outlived the teardown"
+        assert r["equal"], f"rank {rank}: gradients differ from stock's (bitwise at W = 2)"
