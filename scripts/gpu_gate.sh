@@ -29,7 +29,7 @@
 # not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/). In two
 # invocations of under ten minutes each on one H200: `build python+bench` (300-440 s), then
 # `cpp sanitize verdict` (~370 s; cpp's tests outrun their 420 s bound beside python and bench);
-# titan (two or three torchtitan runs, RUN_TIMEOUT seconds each at most; ~40 s each on one H100)
+# titan (two or three torchtitan runs, RUN_TIMEOUT seconds each at most; not yet timed to the end)
 # in one of its own, before the verdict: beside python+bench on an 80 GB H100 its ranks ran out of
 # memory at set_device (`build python+bench` alone: 274 s there).
 # A fresh machine has no records: carry $GATE_DIR with the tree (records count for their digest).
