@@ -13,7 +13,8 @@
 // and a float8 amax exchange (an fp32 all-gather of 7 amaxes per rank, as tide.fsdp's
 // AmaxExchange), with the slot-free handshake fused into the cast-to-peers kernel (the default)
 // and as a memop call before it (TIDE_CUDA_FUSED_HANDSHAKE=0), alternating over --rounds rounds of
-// fresh threads, streams and windows. Per rank: run by run (events around each run), back-to-back
+// fresh threads, streams and windows. A capture takes the memop head whatever the variant
+// (lowering.cpp cast_to_peers_split), so both variants' replayed columns time the same graph. Per rank: run by run (events around each run), back-to-back
 // runs (one event pair around --iters runs), replayed (events around each cudaGraphLaunch of the
 // collective captured alone), back-to-back replays; the host's time per run() and per launch; how
 // much later rank 1's run starts on the GPU than rank 0's (events on both streams of the one
