@@ -3,13 +3,14 @@
 # operation by operation (`tide_bench_cuda breakdown`), then the 1 MiB AG / RS rows of BENCHMARKS
 # (`sweep ... --cuda-graphs`) and the 512-param rows (`bucket --bucket small ... --cuda-graphs`),
 # ranks as threads sharing GPU 0, for this tree and, where git knows it, for a base commit built
-# beside it (BASE, default the commit before this work), alternating, so both run on the same
+# beside it (BASE, default ac5779e: before the fused handshake), alternating, so both run on the same
 # card in the same minutes. Logs under $OUT (default gpu-out/); the tables at the end.
 #
-#   scripts/fixed_cost.sh                 # BASE=2a0b14f
+#   scripts/fixed_cost.sh                 # BASE=ac5779e
 #   BASE= scripts/fixed_cost.sh           # this tree only
 #   TIDE_PREBUILT=dir scripts/fixed_cost.sh   # this tree's tide_bench_cuda already built in dir
-#   TIDE_BASE_PREBUILT=dir scripts/fixed_cost.sh   # the base's, built in dir (where no .git travels)
+#   TIDE_BASE_PREBUILT=dir BASE=ac5779e scripts/fixed_cost.sh   # the base's, built in dir (no .git there);
+#                                         # BASE then only names it
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
@@ -17,7 +18,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-BASE=${BASE-2a0b14f}
+BASE=${BASE-ac5779e}
 JOBS=${JOBS:-16}
 say() { echo "== fixed_cost: $*"; }
 

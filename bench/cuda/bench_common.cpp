@@ -114,6 +114,17 @@ DeviceMemory::~DeviceMemory() {
   if (ptr) (void)cudaFree(ptr);
 }
 
+cudaGraphExec_t capture_once(cudaStream_t stream, const std::function<void()>& enqueue) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  BCHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  BCHECK(cudaStreamEndCapture(stream, &graph));
+  BCHECK(cudaGraphInstantiate(&exec, graph, 0));
+  BCHECK(cudaGraphDestroy(graph));
+  return exec;
+}
+
 std::vector<double> time_each(cudaStream_t stream, int iters, const std::function<void()>& enqueue) {
   std::vector<cudaEvent_t> events(2 * iters);
   for (auto& e : events) BCHECK(cudaEventCreate(&e));

@@ -109,6 +109,10 @@ struct DeviceMemory {
 // Host-paced: when enqueue() costs the host more than the GPU takes, this is the host's pace.
 std::vector<double> time_each(cudaStream_t stream, int iters, const std::function<void()>& enqueue);
 
+// enqueue() captured once on `stream` (thread-local capture mode) as an executable graph; the
+// caller destroys it (cudaGraphExecDestroy).
+cudaGraphExec_t capture_once(cudaStream_t stream, const std::function<void()>& enqueue);
+
 // ---- Buckets. -------------------------------------------------------------------------------
 
 struct BucketCase {

@@ -229,10 +229,11 @@ class OpBench {
   }
 
   // The kernel's flags: its data-ready signal goes to the word its CTAs wait on (and the fused
-  // slot-free signal likewise), compared on equality and reset by the kernel, as a captured
-  // run's: each launch waits for its own signal, never for a peer.
+  // slot-free signal likewise): each launch waits for its own signal, never for a peer. Compared
+  // on equality and reset by the kernel, as a captured run's; with the fused head, which only
+  // runs run by run (lowering.cpp), as a run-by-run kernel's (reached, never reset).
   void flags(cuda_kernels::CastToPeersSpec& spec, bool handshake, bool fused) {
-    spec.epoch = kEpoch, spec.tag = kTag, spec.equal = true;
+    spec.epoch = kEpoch, spec.tag = kTag, spec.equal = !fused;
     spec.arrivals = counters();
     spec.reached = marks_, spec.passed = marks_ + 1, spec.wait_id = 1;
     spec.ranks_on_gpu = 2;
@@ -443,13 +444,7 @@ void collective_rank(int rank, Bootstrap& bootstrap, const Case& c, const Args& 
       for (auto& e : starts) BCHECK(cudaEventCreate(&e));
     }
     executor.synchronize();
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t replay = nullptr;
-    BCHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    executor.run(*prepared, bindings);
-    BCHECK(cudaStreamEndCapture(stream, &graph));
-    BCHECK(cudaGraphInstantiate(&replay, graph, 0));
-    BCHECK(cudaGraphDestroy(graph));
+    cudaGraphExec_t replay = capture_once(stream, [&] { executor.run(*prepared, bindings); });
     timed([&] { BCHECK(cudaGraphLaunch(replay, stream)); }, replay_us, replay_loop_us, launch_host_us);
     // The last replay's result, its destination poisoned before (a peer writes this rank's window
     // only after this rank's slot-free signal, which follows the poison on the stream).

@@ -191,13 +191,7 @@ void bench_collective_rank(int rank, Bootstrap& bootstrap, Collective collective
       // --cuda-graphs: the program captured once and replayed, timed as the runs above; the
       // result checked below is then the last replay's, its destination poisoned before it.
       if (args.cuda_graphs && args.nodes == 1) {
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t replay = nullptr;
-        BCHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        executor.run(*checked, bindings);
-        BCHECK(cudaStreamEndCapture(stream, &graph));
-        BCHECK(cudaGraphInstantiate(&replay, graph, 0));
-        BCHECK(cudaGraphDestroy(graph));
+        cudaGraphExec_t replay = capture_once(stream, [&] { executor.run(*checked, bindings); });
         for (int w = 0; w < args.warmup; ++w) BCHECK(cudaGraphLaunch(replay, stream));
         BCHECK(cudaStreamSynchronize(stream));
         bootstrap.barrier();

@@ -108,6 +108,14 @@ __device__ __forceinline__ void spin_on(const uint64_t* const* flags, int count,
   }
 }
 
+// One thread signals each of `words` (a peer's FlagWord: the tag, then the epoch as a release).
+__device__ __forceinline__ void signal_all(uint64_t* const* words, int count, uint64_t tag, uint64_t epoch) {
+  for (int k = 0; k < count; ++k) {
+    *reinterpret_cast<volatile uint64_t*>(words[k] + 1) = tag;
+    store_release_system(words[k], epoch);
+  }
+}
+
 // kernels.cuh says what it does and why; FlagWord is {epoch, tag}.
 template <class Table>
 __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const __grid_constant__ Table table) {
@@ -116,16 +124,13 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
   // Everything this stream ran before has completed when the kernel starts, so the signal comes
   // after every earlier read of the own window's slots.
   if (table.num_free_signals > 0 && blockIdx.x == 0 && threadIdx.x == 0)
-    for (int k = 0; k < table.num_free_signals; ++k) {
-      *reinterpret_cast<volatile uint64_t*>(table.free_signals[k] + 1) = table.tag;
-      store_release_system(table.free_signals[k], table.epoch);
-    }
+    signal_all(table.free_signals, table.num_free_signals, table.tag, table.epoch);
   if (table.num_free_waits > 0) {
     if (threadIdx.x == 0) {
       if (blockIdx.x == 0) store_mark(table.reached, table.free_wait_id);
       spin_on(table.free_waits, table.num_free_waits, table.epoch, table.tag, table.equal);
-      // Once one CTA has passed, every CTA passes: the flags are reset only after every CTA
-      // has got past them (below).
+      // Once one CTA has passed, every CTA passes: the head is fused run by run only
+      // (lowering.cpp), where a flag moves on only after the peer's next slot-free wait.
       if (blockIdx.x == 0) store_mark(table.passed, table.free_wait_id);
     }
     __syncthreads();
@@ -149,17 +154,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 4) cast_to_peers_kernel(const 
       // comes after this one (one executor per window, its runs one at a time), so it finds 0.
       atomicExch(table.arrivals, 0u);
       fence_acq_rel_system();
-      // A captured run resets the slot-free flags it waited on: every CTA has got past them
-      // (each loaded them before its fence and arrival, and the fence above orders this CTA's
-      // stores after every arrival). A peer signals one again only after it has seen this
-      // kernel's data-ready signal below, a release store, which orders the reset before it.
-      if (table.equal)
-        for (int k = 0; k < table.num_free_waits; ++k)
-          *reinterpret_cast<volatile uint64_t*>(table.free_waits[k]) = 0;
-      for (int k = 0; k < table.num_signals; ++k) {
-        *reinterpret_cast<volatile uint64_t*>(table.signals[k] + 1) = table.tag;
-        store_release_system(table.signals[k], table.epoch);
-      }
+      signal_all(table.signals, table.num_signals, table.tag, table.epoch);
     }
   }
   if (table.num_waits > 0) {
@@ -282,12 +277,12 @@ LaunchInfo launch_cast_to_peers(const CastToPeersSpec& spec, cudaStream_t stream
   TIDE_CHECK_ARG(spec.num_signals == 0 || spec.arrivals, "launch_cast_to_peers", "arrivals", "null",
                  "the window's CTA counter when the kernel signals");
   TIDE_CHECK_ARG(spec.num_free_signals <= kCastToPeersPeers && spec.num_free_waits <= kCastToPeersPeers &&
-                     (spec.num_free_waits == 0 || spec.num_signals > 0),
+                     (!spec.equal || spec.num_free_waits == 0),
                  "launch_cast_to_peers", "slot-free handshake",
-                 detail::concat(spec.num_free_signals, " signals, ", spec.num_free_waits, " waits, ",
-                                spec.num_signals, " data-ready signals"),
-                 detail::concat("at most ", kCastToPeersPeers, " of each, and data-ready signals "
-                                "after slot-free waits (the last CTA resets them before it signals)"));
+                 detail::concat(spec.num_free_signals, " signals, ", spec.num_free_waits, " waits",
+                                spec.equal ? ", captured" : ""),
+                 detail::concat("at most ", kCastToPeersPeers, " of each, and none in a captured "
+                                "kernel (nothing resets those flags: a capture keeps the memop head)"));
   TIDE_CHECK_ARG(!spec.equal || spec.num_waits == 0 || spec.arrivals, "launch_cast_to_peers",
                  "arrivals", "null", "the window's CTA counters when a captured kernel waits");
   TIDE_CHECK_ARG((spec.num_waits == 0 && spec.num_free_waits == 0) || (spec.reached && spec.passed),

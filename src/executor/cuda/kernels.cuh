@@ -125,10 +125,10 @@ Launches reduce_launches(const ReduceSpec* specs, std::size_t num_specs, int num
 // memop call before the launch): CTA 0's first thread signals every peer when the kernel starts
 // (every earlier operation of the stream has completed then), and every CTA's first thread spins
 // on the own slot-free flags before its first store, between watchdog marks of their own (a
-// second record, as a memop call's would be). A captured run (`equal`) resets the flags it waited on, in the kernel, so no clear
-// follows it: the slot-free flags by the last CTA to arrive, before its data-ready signals (a peer
-// signals slot-free again only after it has seen them), the data-ready flags by the last CTA to
-// get past them (the window's second counter; a peer signals data-ready again only after this
+// second record, as a memop call's would be). The lowering fuses the head run by run only: a
+// capture keeps it a memop node, which clears its own flags. A captured run (`equal`) resets the
+// data-ready flags it waited on in the kernel, so no clear node follows it: the last CTA to get
+// past them does (the window's second counter; a peer signals data-ready again only after this
 // rank's next slot-free signal, which comes after this kernel ends).
 // The CTAs that spin hold SMs while they wait, so this is for small buckets only, at most one CTA
 // per SM and rank on the GPU, and only where every peer's kernels can run while this one waits
@@ -166,7 +166,7 @@ struct CastToPeersSpec {
   int num_waits = 0;
   uint64_t* free_signals[kCastToPeersPeers] = {};  // the fused slot-free handshake: peers' FlagWords
   int num_free_signals = 0;
-  uint64_t* free_waits[kCastToPeersPeers] = {};    // own FlagWords (reset to 0 by a captured run)
+  uint64_t* free_waits[kCastToPeersPeers] = {};    // own FlagWords
   int num_free_waits = 0;
   uint64_t epoch = 0;
   uint64_t tag = 0;

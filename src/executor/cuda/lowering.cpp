@@ -300,7 +300,7 @@ void CudaExecutor::Impl::enqueue_cast_to_peers(const std::vector<Step>& steps, s
         spec.signals[spec.num_signals++] = &flag->epoch;
     } else if (const auto* wait = std::get_if<WaitOp>(&step.op)) {
       // Two watched records, as two memop calls would be: the watchdog names the handshake that
-      // is stuck (a captured kernel resets its slot-free flags before its data-ready waits).
+      // is stuck.
       std::optional<PendingWait>& r = i < tail ? head_record : record;
       if (!r) r = new_wait(PendingWait::Kind::kFlag, stream, epoch, tag, -1, step.phase, capturing);
       FlagWord* flag = window.flags(rank) + flag_index(wait->kind, wait->peer, world);
