@@ -9,13 +9,22 @@
 # installed from there into this venv alone, with the cap lifted for those pip calls only
 # (PIP_CONSTRAINT=/dev/null stands in for the configured file). torch 2.15.0 on PyPI is only its
 # CUDA 13.2 build (it runs on CPU): about 3 GB of wheels, downloaded once per machine.
+# TIDE_MATRIX_DROP=1 removes the venv and the wheels this run downloaded once the tests end, pass or
+# fail: a CUDA build of torch takes 5 GB or more installed, and CI runs several in turn.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:-2.14.1}
 PY=${PYTHON:-python3}
 venv=${TIDE_MATRIX_VENV:-build/torch-$version}
 wheels=${TIDE_WHEEL_CACHE:-$HOME/.cache/tide/wheels}/torch-$version
-echo "== tide.fsdp tests on torch $version ($venv)"
+echo "== tide.fsdp tests on torch $version ($venv; $(df -h --output=avail . | tail -1 | tr -d ' ') free on this disk)"
+downloaded=0
+drop() {
+  rm -rf "$venv"
+  ((downloaded)) && rm -rf "$wheels"
+  return 0
+}
+[[ ${TIDE_MATRIX_DROP:-0} == 1 ]] && trap drop EXIT
 [[ -x "$venv/bin/python" ]] || "$PY" -m venv --system-site-packages "$venv"
 has_version() {
   "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null
@@ -28,6 +37,7 @@ if ! has_version; then
     install_cached
   elif ! "$venv/bin/python" -m pip install -q "torch==$version"; then
     echo "   torch $version is not in this machine's pip sources or is capped there: downloading it into $wheels"
+    [[ -d $wheels ]] || downloaded=1
     PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip download -q -d "$wheels" "torch==$version"
     install_cached
   fi
