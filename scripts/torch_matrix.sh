@@ -37,7 +37,7 @@ if ! has_version; then
     install_cached
   elif ! "$venv/bin/python" -m pip install -q "torch==$version"; then
     echo "   torch $version is not in this machine's pip sources or is capped there: downloading it into $wheels"
-    [[ -d $wheels ]] || downloaded=1
+    downloaded=1  # the directory had no torch wheel: what it holds now is this run's
     PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip download -q -d "$wheels" "torch==$version"
     install_cached
   fi
