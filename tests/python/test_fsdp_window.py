@@ -1,7 +1,8 @@
 """A bucket's window lease over a real pool (host windows, ranks as threads): the all-gather keeps
 or takes back its own window without a remap, a window vacated and then handed to another bucket by
 the pool is no longer the first bucket's (neither to gather into again nor to stage in), and the
-reduce-scatter stages in the vacated window (Slot-Reuse) or a pool of wider windows."""
+reduce-scatter stages in the vacated window (Slot-Reuse) or a pool of wider windows; during a CUDA
+graph capture (a capture id, no GPU needed) the pool makes no window and no group's address remaps."""
 
 from __future__ import annotations
 
@@ -96,3 +97,57 @@ def test_a_captured_group_never_maps_another_window():
         assert "would map another window at the group's address" in seen["error"], (rank, seen)
         assert seen["mapped_kept"] and seen["new_window_free"] and seen["holds"] is None, (rank, seen)
         assert seen["after_graph"], (rank, seen)
+
+
+def capture_refusals_rank(rank: int) -> dict:
+    """What a capture (capture id 7 here, as _capture.capture_id reports one) may not ask of the
+    pool: a window no rank has yet, or a remap of a group's fixed address."""
+    pool = WindowPool(dist.group.WORLD, WINDOW_BYTES, 30_000, "test/window/capture", torch.device("cpu"),
+                      _tide.Topology.single_node(2), "host")
+    counts = Counts()
+    a = WindowLease(pool, counts)
+    storage = _fsdp2.UnshardedStorage([torch.zeros(4)])
+    seen = {}
+    try:
+        a.acquire_for_all_gather(7, "layers.0")  # the pool has no window yet: all ranks would create one
+    except RuntimeError as e:
+        seen["new_window"] = str(e)
+    seen["no_window_made"] = not pool.windows and a.window is None and a.mapped is None
+
+    first = a.acquire_for_all_gather(0, "layers.0")  # run by run: made and mapped at a's address
+    a.vacate(storage)
+    pool.release_pending()
+    held = pool.acquire()  # another bucket holds a's vacated window...
+    second = pool.acquire()  # ...and a second window is made, run by run, and left free
+    pool.release(second)
+    assert held is first and pool.free == [second]
+    try:
+        a.acquire_for_all_gather(7, "layers.0")
+    except RuntimeError as e:
+        seen["remap"] = str(e)
+    # `second` is back on the free list; a's address still maps `first`, which the graph would write
+    seen["remap_returned"] = pool.free == [second] and a.window is None and a.mapped is first
+    seen["remaps"] = counts.remaps
+    try:
+        a.staging_window(2 * WINDOW_BYTES, 7, "layers.0")  # a wider pool, empty: a new window
+    except RuntimeError as e:
+        seen["wide_staging"] = str(e)
+    return seen
+
+
+def test_a_capture_refuses_new_windows_and_remaps_naming_the_group():
+    """During a capture the pool never creates a window (all ranks create one together, on the host,
+    which no replay repeats) and a group's address never maps another window: each raises on every
+    rank, names the group and says what to do instead, and leaves the pool as it was."""
+    for rank, seen in enumerate(threaded_world.run(2, capture_refusals_rank)):
+        assert seen["new_window"] == (
+            "tide.fsdp: param group layers.0: it needs a new window while the step is captured (all ranks "
+            "create it together, on the host), which a CUDA graph cannot replay; run one step uncaptured "
+            "first, as torchtitan's warm-up steps do"), (rank, seen)
+        assert seen["no_window_made"], (rank, seen)
+        assert seen["remap"].startswith("tide.fsdp: param group layers.0: its all-gather must map another "
+                                        "pooled window at the group's address"), (rank, seen)
+        assert "capture a model whose groups keep their windows" in seen["remap"], (rank, seen)
+        assert seen["remap_returned"] and seen["remaps"] == 1, (rank, seen)  # a's first map only
+        assert seen["wide_staging"].startswith("tide.fsdp: param group layers.0: it needs a new window "
+                                               "while the step is captured"), (rank, seen)
