@@ -14,7 +14,8 @@
 // AmaxExchange), with the slot-free handshake fused into the cast-to-peers kernel (the default)
 // and as a memop call before it (TIDE_CUDA_FUSED_HANDSHAKE=0), alternating over --rounds rounds of
 // fresh threads, streams and windows. A capture takes the memop head whatever the variant
-// (lowering.cpp cast_to_peers_split), so both variants' replayed columns time the same graph. Per rank: run by run (events around each run), back-to-back
+// (lowering.cpp cast_to_peers_split), so both variants' replayed columns time the same graph.
+// Per rank: run by run (events around each run), back-to-back
 // runs (one event pair around --iters runs), replayed (events around each cudaGraphLaunch of the
 // collective captured alone), back-to-back replays; the host's time per run() and per launch; how
 // much later rank 1's run starts on the GPU than rank 0's (events on both streams of the one
@@ -231,9 +232,10 @@ class OpBench {
   // The kernel's flags: its data-ready signal goes to the word its CTAs wait on (and the fused
   // slot-free signal likewise): each launch waits for its own signal, never for a peer. Compared
   // on equality and reset by the kernel, as a captured run's; with the fused head, which only
-  // runs run by run (lowering.cpp), as a run-by-run kernel's (reached, never reset).
+  // runs run by run (lowering.cpp), as a run-by-run kernel's: an epoch one past the last launch's,
+  // reached only by this launch's signal (a graph of it replays one epoch, met from then on).
   void flags(cuda_kernels::CastToPeersSpec& spec, bool handshake, bool fused) {
-    spec.epoch = kEpoch, spec.tag = kTag, spec.equal = !fused;
+    spec.epoch = fused ? ++run_epoch_ : kEpoch, spec.tag = kTag, spec.equal = !fused;
     spec.arrivals = counters();
     spec.reached = marks_, spec.passed = marks_ + 1, spec.wait_id = 1;
     spec.ranks_on_gpu = 2;
@@ -305,6 +307,7 @@ class OpBench {
   uint64_t* marks_host_ = nullptr;
   uint64_t* marks_ = nullptr;  // device address of marks_host_
   uint64_t gate_ = 0;
+  uint64_t run_epoch_ = 0;  // the fused rows' epochs (flags)
 };
 
 void op_costs(const Args& args, std::vector<OpRow>& rows) {
