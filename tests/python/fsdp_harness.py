@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 import threaded_world
 import tide
 import tide.fsdp
+from tide.bench.launch import exit_rank
 from rounding import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, reduction_bound_scale
 
 DIM, HEADS, KV_HEADS, HIDDEN, VOCAB = 32, 4, 2, 88, 67  # 88 and 67: dim 0 not divisible by 3 or 4
@@ -363,6 +364,7 @@ def _worker(rank, world, port, names, out_dir, device_type):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def _free_port():
@@ -437,6 +439,7 @@ def _fn_worker(rank, world, port, fn, args, out_dir, device_type):
         torch.save(fn(rank, world, device, *args), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def run_processes(world: int, fn, *args, device_type: str = "cpu") -> list:

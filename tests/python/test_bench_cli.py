@@ -1,12 +1,16 @@
 """tide-bench: clear argument errors; a short CPU run whose JSON has every field and whose plots exist
 (and its compute-only reference); the MoE and DiT models, TIDE vs stock, with experts sharded on dim
-0 and on dim 1; the compute-only reference's collectives move nothing."""
+0 and on dim 1; the compute-only reference's collectives move nothing; spawned ranks end past the
+interpreter's finalization."""
 
+import atexit
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tide.bench import cli
 from tide.bench.model import PRESETS, MoE
@@ -272,3 +276,21 @@ def test_compute_only_collectives_move_nothing():
         assert all(torch.equal(a, b) for a, b in zip(built, reference["params"]))
         assert not all(torch.equal(a, b) for a, b in zip(built, stock["params"]))
         assert 0 < reference["layout_copy_bytes"] < stock["layout_copy_bytes"], (reference, stock)
+
+
+def _collective_marking_finalization(rank, world, marker_dir):
+    """A gloo collective as a rank's last act; an atexit handler that marks the interpreter's
+    finalization."""
+    atexit.register(lambda: open(os.path.join(marker_dir, f"finalized.{rank}"), "w").close())
+    dist.all_reduce(torch.ones(64))
+    return rank
+
+
+def test_spawned_ranks_end_without_the_interpreters_finalization(tmp_path):
+    """run_ranks' processes end once their results are saved, past the interpreter's finalization
+    (no atexit handler runs): there, gloo's worker thread dropping a finished collective's tensors
+    aborts the process (pytorch/pytorch#190489)."""
+    from tide.bench.launch import run_ranks
+
+    assert run_ranks(2, "cpu", _collective_marking_finalization, str(tmp_path)) == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

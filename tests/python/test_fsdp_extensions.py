@@ -786,6 +786,7 @@ def _worker(rank, world, port, names, out_dir):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    h.exit_rank()
 
 
 _cache: dict = {}

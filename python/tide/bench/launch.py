@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import tempfile
 
 import torch
@@ -38,6 +39,19 @@ def backend_for(device: str, ranks_here: int) -> str:
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def exit_rank() -> None:
+    """Ends a spawned rank's process once its result is saved and its process group destroyed,
+    skipping the interpreter's finalization. DTensor specs cached past the model keep FSDP2's device
+    mesh, and with it the gloo group, alive past destroy_process_group; the group's worker thread
+    can still hold the last reference to a finished collective's tensors, and a thread that drops
+    one during finalization takes the GIL, which aborts the process ("terminate called without an
+    active exception", pytorch/pytorch#190489): a 2-rank world that exits right after gloo
+    collectives, its group kept alive, aborts in a third to a half of its runs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _no_multicast() -> None:
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
@@ -57,6 +71,7 @@ def _spawned(rank, world, port, device, fn, args, out_dir):
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def run_ranks(world: int, device: str, fn, *args) -> list:
