@@ -224,6 +224,9 @@ def main() -> None:
         print("torchtitan_shared_gpu: `datasets` is not installed here: its stand-in reads the local data set",
               file=sys.stderr)
     torchtitan_cpu.record_and_run()
+    from tide.bench.launch import exit_rank
+
+    exit_rank()  # its record written: no interpreter finalization, which gloo can abort
 
 
 if __name__ == "__main__":
