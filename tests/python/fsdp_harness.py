@@ -362,9 +362,9 @@ def _worker(rank, world, port, names, out_dir, device_type):
             except Exception as e:  # noqa: BLE001 - reported to the test
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+        exit_rank()
+    finally:  # reached on an error only
         dist.destroy_process_group()
-    exit_rank()
 
 
 def _free_port():
@@ -437,9 +437,9 @@ def _fn_worker(rank, world, port, fn, args, out_dir, device_type):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, world, device, *args), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+        exit_rank()
+    finally:  # reached on an error only
         dist.destroy_process_group()
-    exit_rank()
 
 
 def run_processes(world: int, fn, *args, device_type: str = "cpu") -> list:

@@ -784,9 +784,9 @@ def _worker(rank, world, port, names, out_dir):
             except Exception as e:  # noqa: BLE001 - reported to the test
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+        h.exit_rank()
+    finally:  # reached on an error only
         dist.destroy_process_group()
-    h.exit_rank()
 
 
 _cache: dict = {}

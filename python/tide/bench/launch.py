@@ -40,13 +40,16 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 def exit_rank() -> None:
-    """Ends a spawned rank's process once its result is saved and its process group destroyed,
-    skipping the interpreter's finalization. DTensor specs cached past the model keep FSDP2's device
-    mesh, and with it the gloo group, alive past destroy_process_group; the group's worker thread
-    can still hold the last reference to a finished collective's tensors, and a thread that drops
-    one during finalization takes the GIL, which aborts the process ("terminate called without an
-    active exception", pytorch/pytorch#190489): a 2-rank world that exits right after gloo
-    collectives, its group kept alive, aborts in a third to a half of its runs."""
+    """Ends a spawned rank's process once its result is saved: after a barrier, since rank 0 hosts
+    the store that the others may still be using, and without the interpreter's finalization.
+    DTensor specs cached past the model keep FSDP2's device mesh, and with it the gloo group, alive
+    past destroy_process_group; the group's worker thread can still hold the last reference to a
+    finished collective's tensors, and a thread that drops one during finalization takes the GIL,
+    which aborts the process ("terminate called without an active exception",
+    pytorch/pytorch#190489): a 2-rank world that exits right after gloo collectives, its group
+    kept alive, aborts in a third to a half of its runs."""
+    if dist.is_initialized():
+        dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -69,9 +72,9 @@ def _spawned(rank, world, port, device, fn, args, out_dir):
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+        exit_rank()
+    finally:  # reached on an error only
         dist.destroy_process_group()
-    exit_rank()
 
 
 def run_ranks(world: int, device: str, fn, *args) -> list:
