@@ -132,6 +132,7 @@ def capture_refusals_rank(rank: int) -> dict:
         a.staging_window(2 * WINDOW_BYTES, 7, "layers.0")  # a wider pool, empty: a new window
     except RuntimeError as e:
         seen["wide_staging"] = str(e)
+    seen["no_wide_window_made"] = not a.staging_pool.windows
     return seen
 
 
@@ -151,3 +152,4 @@ def test_a_capture_refuses_new_windows_and_remaps_naming_the_group():
         assert seen["remap_returned"] and seen["remaps"] == 1, (rank, seen)  # a's first map only
         assert seen["wide_staging"].startswith("tide.fsdp: param group layers.0: it needs a new window "
                                                "while the step is captured"), (rank, seen)
+        assert seen["no_wide_window_made"], (rank, seen)
