@@ -84,14 +84,15 @@ stage_cpp() {
 }
 
 stage_python() {
-  # Five pytest processes side by side: test_fsdp.py's W = 3 and W = 4 worlds each in their own (a
+  # Six pytest processes side by side: test_fsdp.py's W = 3 and W = 4 worlds each in their own (a
   # world trains once per process, for all its tests), test_fsdp_lifetime.py in one,
-  # test_fsdp_cuda_graphs_between.py in one, everything else in the first. PYTEST_SPLIT=0: one process.
+  # test_fsdp_cuda_graphs_between.py in one, test_fsdp_capture_rule.py in one, everything else in
+  # the first. PYTEST_SPLIT=0: one process.
   local select="${PYTEST_K:-cuda or extension or two_gpus}" parts=()
   if [[ ${PYTEST_SPLIT:-1} == 1 ]]; then
-    parts=("($select) and not cuda-W3 and not cuda-W4 and not test_fsdp_lifetime and not between"
+    parts=("($select) and not cuda-W3 and not cuda-W4 and not test_fsdp_lifetime and not between and not capture_rule"
            "($select) and cuda-W3" "($select) and cuda-W4" "($select) and test_fsdp_lifetime"
-           "($select) and between")
+           "($select) and between" "($select) and capture_rule")
   else
     parts=("$select")
   fi
@@ -116,7 +117,8 @@ from importlib.metadata import version; print('torchtitan', version('torchtitan'
        "$ROOT/tests/python/test_extension.py" "$ROOT/tests/python/test_fsdp_cuda.py" \
        "$ROOT/tests/python/test_fsdp.py" "$ROOT/tests/python/test_fsdp_lifetime.py" \
        "$ROOT/tests/python/test_bench_cli.py" "$ROOT/tests/python/test_fsdp_cuda_graphs.py" \
-       "$ROOT/tests/python/test_fsdp_cuda_graphs_between.py" -k "${parts[$i]}") \
+       "$ROOT/tests/python/test_fsdp_cuda_graphs_between.py" "$ROOT/tests/python/test_fsdp_capture_rule.py" \
+       -k "${parts[$i]}") \
       >"$OUT/gate_python_$i.log" 2>&1 &
     pids+=($!)
   done

@@ -302,11 +302,14 @@ class CudaExecutor final : public Executor {
   // shortly after the last destroy); its replays write this executor's window, so the window and
   // the executor must outlive it. A driver that refuses to tie a graph's life to the executor
   // (a user object retained during the capture) leaves that graph's waits and slots held for good,
-  // and it is not counted in `graphs`.
+  // and it is not counted in `graphs`. `captures`: the counted graphs' capture ids (as
+  // cuda_capture_id reports them while capturing), so a caller that recorded what each capture
+  // holds can tell which captures' graphs are gone.
   struct CapturedState {
     int graphs = 0;
     int waits = 0;
     int slots = 0;
+    std::vector<uint64_t> captures;
   };
   CapturedState captured_state();
 

@@ -335,6 +335,7 @@ NB_MODULE(_tide, m) {
         const CudaExecutor::CapturedState s = e.captured_state();
         return nb::make_tuple(s.graphs, s.waits, s.slots);
       })
+      .def("live_captures", [](CudaExecutor& e) { return e.captured_state().captures; })
       .def("enable_stats", &CudaExecutor::enable_stats)
       .def("stats", &CudaExecutor::stats, nb::call_guard<nb::gil_scoped_release>())
       .def("reset_stats", &CudaExecutor::reset_stats)

@@ -727,7 +727,7 @@ def scenario_float8_scales_at_capture() -> dict:
             precompute_float8_dynamic_scale_for_fsdp(model)
         try:
             mine = _float8.scales(fps, 1, bucket.path,
-                                  lambda amaxes: bucket.amax_exchange(amaxes, bucket.pool, 1, bucket.path))
+                                  lambda amaxes: bucket.amax_exchange(amaxes, bucket.pool, 1, bucket.path, bucket.lease))
             seen[name] = all(torch.equal(s, _float8.torchao_cast(fp)[1]) for fp, s in zip(fps, mine))
         except RuntimeError as e:
             seen[name] = str(e)

@@ -62,41 +62,83 @@ def test_window_lease_takes_the_same_windows_on_every_rank():
                     "b_slot_reuse": True, "wide": True, "windows": 1, "remaps": 2}, seen
 
 
+def _graphs_alive(window, captures) -> None:
+    """What this rank's CUDA reports alive for `window`: `captures` (the host windows have none)."""
+    window.live_captures = lambda: set(captures)
+
+
 def captured_lease_rank(rank: int) -> dict:
     pool = WindowPool(dist.group.WORLD, WINDOW_BYTES, 30_000, "test/window/captured", torch.device("cpu"),
                       _tide.Topology.single_node(2), "host")
     counts = Counts()
-    a, b = WindowLease(pool, counts), WindowLease(pool, counts)
+    a, b, c = WindowLease(pool, counts), WindowLease(pool, counts), WindowLease(pool, counts)
     storage = _fsdp2.UnshardedStorage([torch.zeros(4)])
     captured = a.acquire_for_all_gather(0, "layers.0")
-    a.captured_path = "layers.0"  # as the bucket marks it once the all-gather was captured
-    captured.live_graphs = lambda: 1  # as the executor reports a graph alive that captured it
+    a.record(captured, 7)  # as the bucket records a captured all-gather
+    c.record(captured, 7)  # a second group of the captured step shares the window
+    _graphs_alive(captured, {7})
     a.vacate(storage)
-    b.acquire_for_all_gather(0, "layers.1")  # takes a's vacated window
+    seen = {"b_own_window": b.acquire_for_all_gather(0, "layers.1") is not captured,
+            "owned_kept_free": captured in pool.free}
+    seen["c_takes_it"] = c.acquire_for_all_gather(0, "layers.2") is captured  # an owner
+    b.vacate(storage)  # b's window is free: a, whose window c holds, would remap onto it
     try:
-        a.acquire_for_all_gather(0, "layers.0")  # a new window, which a's address would map
+        a.acquire_for_all_gather(0, "layers.0")
     except RuntimeError as e:
-        seen = {"error": str(e), "mapped_kept": a.mapped is captured, "new_window_free": len(pool.free) == 1,
-                "holds": a.window}
+        seen.update(error=str(e), mapped_kept=a.mapped is captured, holds=a.window)
     else:
         return {"error": None}
-    captured.live_graphs = lambda: 0  # the graph was destroyed: the address may map another window
-    seen["after_graph"] = a.acquire_for_all_gather(0, "layers.0") is not captured and a.captured_path is None
+    _graphs_alive(captured, set())  # the graph was destroyed: the address may map another window
+    a_window = a.acquire_for_all_gather(0, "layers.0")
+    seen["after_graph"] = not a.captures and not captured.captures and a_window is not captured \
+        and a.mapped is a_window
     return seen
 
 
-def test_a_captured_group_never_maps_another_window():
-    """A graph's replays write the window its capture mapped at the group's address: while the
-    graph lives, a later run-by-run all-gather that would map another one there raises on every
-    rank, naming the group, and gives the window it took back to the pool; once it is destroyed,
-    the address maps another window."""
+def test_a_captured_window_belongs_to_its_graphs_groups():
+    """While a graph lives, the window it captured goes only to the groups whose programs it
+    recorded: another group gets a window of its own (no refusal), an owner takes it, and an owner
+    whose address would map another window raises on every rank, naming the group, and gives the
+    window it took back to the pool; once the graph is gone, the records go and the address maps
+    another window."""
     for rank, seen in enumerate(threaded_world.run(2, captured_lease_rank)):
         assert seen["error"] and seen["error"].startswith(
             "tide.fsdp: param group layers.0: this all-gather, run by run after a CUDA graph captured "
             "the group"), (rank, seen)
         assert "would map another window at the group's address" in seen["error"], (rank, seen)
-        assert seen["mapped_kept"] and seen["new_window_free"] and seen["holds"] is None, (rank, seen)
+        assert seen["b_own_window"] and seen["owned_kept_free"] and seen["c_takes_it"], (rank, seen)
+        assert seen["mapped_kept"] and seen["holds"] is None, (rank, seen)
         assert seen["after_graph"], (rank, seen)
+
+
+def ended_captures_rank(rank: int) -> dict:
+    """CUDA reports a destroyed graph late and per rank: a record goes only once every rank's
+    reports it gone; within a capture its own groups share its windows, another capture's do not."""
+    pool = WindowPool(dist.group.WORLD, WINDOW_BYTES, 30_000, "test/window/ended", torch.device("cpu"),
+                      _tide.Topology.single_node(2), "host")
+    a, b, d = (WindowLease(pool, Counts()) for _ in range(3))
+    storage = _fsdp2.UnshardedStorage([torch.zeros(4)])
+    window = a.acquire_for_all_gather(0, "a")
+    a.vacate(storage)
+    pool.release_pending()
+    a.record(window, 9)  # capture 9 in progress: its groups share the pool's windows
+    _graphs_alive(window, {9})
+    seen = {"same_capture_shares": window.available_to(b, 9), "other_capture": window.available_to(d, 11),
+            "uncaptured_other": window.available_to(d, 0), "owner": window.available_to(a, 0)}
+    _graphs_alive(window, {9} if rank == 1 else set())  # rank 1's report is late
+    pool.forget_ended_captures()
+    seen["kept_while_one_rank_reports_it"] = 9 in window.captures and a.captures == {9}
+    _graphs_alive(window, set())
+    pool.forget_ended_captures()
+    seen["gone_once_all_report_it"] = not window.captures and not a.captures and window.available_to(d, 0)
+    return seen
+
+
+def test_records_of_a_capture_go_when_every_rank_reports_its_graph_gone():
+    for rank, seen in enumerate(threaded_world.run(2, ended_captures_rank)):
+        assert seen == {"same_capture_shares": True, "other_capture": False, "uncaptured_other": False,
+                        "owner": True, "kept_while_one_rank_reports_it": True,
+                        "gone_once_all_report_it": True}, (rank, seen)
 
 
 def capture_refusals_rank(rank: int) -> dict:

@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from .. import _tide
-from . import _dispatch, _fallbacks, _fsdp2, _hooks
+from . import _capture, _dispatch, _fallbacks, _fsdp2, _hooks
 from ._agreement import agree
 from ._bucket import Bucket, Counts
 from ._dtypes import TORCH_TO_TIDE
 from ._extension import ExtensionGather, uses_extension
 from ._placement import launcher_ranks_per_node, placements, topology_for, transport_for
-from ._pool import WindowPool, size_classes
+from ._pool import GRAPH_END_WAIT_S, WindowPool, size_classes
 
 __all__ = ["enable", "disable", "TideFSDP", "TRANSPORTS", "topology_for", "transport_for"]
 
@@ -58,6 +58,10 @@ class TideFSDP:
         self.fallbacks: list[tuple] = []  # (param group path, reason)
         self.pools: list[WindowPool] = []
         self._counts = Counts()
+
+    def _before_replay(self) -> None:
+        for b in self.buckets:
+            b.before_replay()
 
     def counts(self) -> dict:
         """TIDE's all-gathers and reduce-scatters (calls and bytes) since the last reset: what a
@@ -287,13 +291,10 @@ def enable(module: torch.nn.Module, *, timeout_ms: int | None = None, ranks_per_
             # A stock all-gather may have run before: its tensors must not back TIDE's params.
             _fsdp2.forget_unsharded(fp)
             fp._tide_bucket = b
+    if any(b.cuda for b in result.buckets):
+        _capture.add_before_replay(result._before_replay)
     _enabled[id(module)] = result
     return result
-
-
-# How long disable waits for CUDA to report graphs destroyed just before (from a thread of its
-# own, once their last replays are done).
-GRAPH_END_WAIT_S = 2.0
 
 
 def _refuse_live_graphs(result: TideFSDP) -> None:
@@ -347,6 +348,7 @@ def disable(module: torch.nn.Module) -> None:
         if state:
             raise ValueError(f"tide.fsdp.disable: param group {b.path} {state}")
     del _enabled[id(module)]
+    _capture.remove_before_replay(result._before_replay)
     for pool in result.pools:
         pool.release_pending()
     for b in result.buckets:

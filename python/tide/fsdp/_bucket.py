@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _tide
-from . import _fsdp2
+from . import _capture, _fsdp2
 from ._agreement import exchange
-from ._capture import capture_id, not_capturable
+from ._capture import not_capturable
 from ._dtypes import TIDE_TO_TORCH, TORCH_TO_TIDE
 from ._extension import ExtensionGather, uses_extension
 from ._float8 import AmaxExchange
@@ -90,6 +90,9 @@ class Bucket:
         # (at the end of a backward): if none did, the record is of no_grad forwards (evaluation),
         # whose backward never comes, and disable may clear it (no_grad_forwards_only).
         self.grad_forward = False
+        # The CUDA graph capture the last all-gather ran in (0: none): parameters FSDP2 holds
+        # unsharded are current only in the same one (before_unshard).
+        self.gathered_in = 0
 
     def _set_gather(self, gather: ExtensionGather | None) -> None:
         """The all-gather's layout and program: the params' own layout, or with all-gather
@@ -188,34 +191,33 @@ class Bucket:
         """Where FSDP2 unshards the group (a forward, a prefetch, a user's unshard()), before it
         checks whether the group is unsharded already.
 
-        A CUDA graph that captured the group's collectives writes its window at every replay
-        (the all-gather, then other collectives staging there), and a replay runs no Python: FSDP2
-        still believes the parameters an uncaptured forward left unsharded (reshard_after_forward
-        False, an eval forward, unshard()) are current. So once the group was captured, and
-        during a capture (whose graph must hold the all-gather its parameters are read from),
-        an unsharded group outside its backward is resharded here, and FSDP2's unshard gathers
-        the current shards anew. In its backward the group is unsharded by its own forward, of
-        the same step. (An uncaptured forward of a captured group reshards at its end:
-        reshards_after_forward.)"""
+        Parameters FSDP2 holds unsharded (reshard_after_forward False, an evaluation, unshard())
+        are current only where they were gathered: uncaptured, or in the capture running now. One
+        gathered uncaptured is resharded here when a capture begins, so that the graph records
+        the all-gather it reads them from; one gathered in a capture (an aborted one, or whose
+        graph replays since) is resharded when an uncaptured forward or another capture uses it.
+        FSDP2 then gathers the current shards. Replays cannot leave stale ones behind: before
+        each, the groups a graph captured are resharded (before_replay). In its backward the
+        group is unsharded by its own forward, of the same step."""
         param_group = self.param_group
         if _fsdp2.in_forward(param_group):
             if not _fsdp2.backward_pending(param_group):
                 self.grad_forward = False
             self.grad_forward = self.grad_forward or torch.is_grad_enabled()
-        if not self.cuda or _fsdp2.in_pre_backward(param_group) or not _fsdp2.is_unsharded(param_group) \
+        if _fsdp2.in_pre_backward(param_group) or not _fsdp2.is_unsharded(param_group) \
                 or _fsdp2.all_gather_in_flight(param_group):
             return
-        if self.lease.captured_path is not None or capture_id(torch.cuda.current_stream(self.pool.device)):
+        if self.gathered_in != _capture.current_capture(self.pool.device):
             _fsdp2.to_sharded(param_group)
 
-    def reshards_after_forward(self) -> bool:
-        """Whether FSDP2's reshard at the end of this forward frees the parameters even where
-        reshard_after_forward keeps them: an uncaptured forward of a group a CUDA graph captured.
-        Kept unsharded, they would outlive the next replay, which rewrites the window under them
-        while FSDP2 still holds them as the module's parameters (model.parameters() would return
-        them); resharded, FSDP2's state is the one the captured step ends in."""
-        return (self.cuda and self.lease.captured_path is not None and _fsdp2.in_forward(self.param_group)
-                and not capture_id(torch.cuda.current_stream(self.pool.device)))
+    def before_replay(self) -> None:
+        """Before a CUDA graph replays (any graph: which windows a replay writes is not known on
+        the host), parameters FSDP2 holds unsharded on a window a graph captured for this group
+        are resharded: the replay rewrites the window under them, and model.parameters() would
+        return what it wrote. Afterwards FSDP2 gathers them anew where it uses them."""
+        if self.lease.captures and _fsdp2.is_idle(self.param_group) and _fsdp2.is_unsharded(self.param_group) \
+                and not _fsdp2.all_gather_in_flight(self.param_group):
+            _fsdp2.to_sharded(self.param_group)
 
     def no_grad_forwards_only(self) -> bool:
         """Whether every forward FSDP2 recorded since the group's last backward ran under
@@ -224,7 +226,7 @@ class Bucket:
 
     def all_gather(self, stream: torch.cuda.Stream | None = None) -> _fsdp2.AllGatherResult:
         compute = torch.cuda.current_stream(self.pool.device) if self.cuda else None
-        capture = capture_id(compute) if self.cuda else 0
+        capture = _capture.current_capture(self.pool.device)
         if capture:
             self._refuse_capture()
         if capture and (not self.param_outputs or (self.gather is not None and self.gather.unchecked)):
@@ -247,11 +249,12 @@ class Bucket:
                 window.use_on(stream, capture)
                 window.run(self.ag_program, [s.data_ptr() for s in shards], (), self._scales())
                 event = stream.record_event()
-                if capture:  # its replays write this window: the address keeps mapping it
-                    self.lease.captured_path = self.path
             else:  # `shards` referenced until the program has read them (extension inputs are new tensors)
-                shards = self._shards(None, 0)
+                shards = self._shards(None, capture)
                 window.run(self.ag_program, [s.data_ptr() for s in shards], (), self._scales())
+        if capture:  # its replays write this window: the window is the graph's and this group's
+            self.lease.record(window, capture)
+        self.gathered_in = capture
         if self.gather is not None and self.gather.unchecked:
             with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
                 self.gather.check_casts(self.fsdp_params, self.rank, self.group)
@@ -266,6 +269,8 @@ class Bucket:
     def capture_refusal(self) -> tuple[str, str]:
         """CUDA: why no CUDA graph can capture this group's collectives, whichever step it captures,
         and what to do instead; ("", "") when a capture can (after one uncaptured step)."""
+        if not self.cuda:
+            return "", ""
         across_nodes = _tide.CudaExecutor.capture_refusal(self.ag_program)
         if across_nodes:
             return (f"its collectives span nodes ({across_nodes})",
@@ -291,7 +296,8 @@ class Bucket:
             return self.gather.shards(
                 self.fsdp_params, lambda i, j: self._shard(self.fsdp_params[i], self.gather_layout.params[j],
                                                            stream),
-                lambda amaxes: self.amax_exchange(amaxes, self.pool, capture, self.path), capture, self.path)
+                lambda amaxes: self.amax_exchange(amaxes, self.pool, capture, self.path, self.lease), capture,
+                self.path)
         return [self._shard(fp, p, stream) for p, fp in zip(self.layout.params, self.laid_out)]
 
     def _shard(self, fp: _fsdp2.FSDPParam, p: _tide.ParamLayout, stream: torch.cuda.Stream | None) -> torch.Tensor:
@@ -397,7 +403,7 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
         bucket, grads = self.bucket, self.grads
         # stock foreach_reduce calls this on its reduce-scatter stream
         stream = torch.cuda.current_stream(bucket.pool.device) if bucket.cuda else None
-        capture = capture_id(stream) if bucket.cuda else 0
+        capture = _capture.current_capture(bucket.pool.device)
         if capture:
             bucket._refuse_capture()
         if op == dist.ReduceOp.AVG:
@@ -426,6 +432,8 @@ class ReduceScatterComm(_fsdp2.ReduceScatterBase):
                     window.set_ready(stream.record_event(), capture)
                 else:
                     window.run(program, inputs, outputs)
+            if capture:
+                bucket.lease.record(window, capture)
         finally:
             bucket.lease.release_staging(window)
             self.grads = None

@@ -9,9 +9,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import _fallbacks, _fsdp2, _hooks
+from . import _capture, _fallbacks, _fsdp2, _hooks
 from ._bucket import Bucket, ReduceScatterComm
-from ._capture import capture_id, not_capturable
+from ._capture import not_capturable
 
 log = logging.getLogger("tide.fsdp")
 _logged: set = set()
@@ -97,7 +97,7 @@ def _refuse_stock_capture(bucket: Bucket, what: str, reason: str,
     """A collective stock FSDP2 runs (`what`, because of `reason`) is captured by the process
     group's own (`group`, by default the bucket's): NCCL's can be, gloo's cannot (ranks sharing a
     GPU), which is refused here, naming the group and the reason."""
-    if bucket.cuda and capture_id(torch.cuda.current_stream(bucket.pool.device)):
+    if _capture.current_capture(bucket.pool.device):
         backend = str(dist.get_backend(group or bucket.group))
         if "nccl" not in backend:
             raise not_capturable(bucket.path, f"{what} runs stock FSDP2 ({reason}) over a "
@@ -137,15 +137,6 @@ def unshard(self: _fsdp2.FSDPParamGroup, *args: object, **kwargs: object) -> Non
     return _hooks.stock("unshard")(self, *args, **kwargs)
 
 
-def reshard(self: _fsdp2.FSDPParamGroup, *args: object, **kwargs: object) -> None:
-    """FSDP2's reshard, except after an uncaptured forward of a group a CUDA graph captured, which
-    reshards whatever reshard_after_forward says (Bucket.reshards_after_forward)."""
-    bucket = _bucket_of(self.fsdp_params)
-    if bucket is not None and bucket.reshards_after_forward():
-        return _fsdp2.to_sharded(self)
-    return _hooks.stock("reshard")(self, *args, **kwargs)
-
-
 REPLACEMENTS = {
     "foreach_all_gather": foreach_all_gather,
     "foreach_all_gather_copy_out": foreach_all_gather_copy_out,
@@ -153,5 +144,4 @@ REPLACEMENTS = {
     "foreach_reduce_scatter_copy_in": foreach_reduce_scatter_copy_in,
     "free_unsharded_param": free_unsharded_param,
     "unshard": unshard,
-    "reshard": reshard,
 }

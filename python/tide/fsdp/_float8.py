@@ -126,16 +126,16 @@ class AmaxExchange:
         self.program = _tide.plan_all_gather(self.layout, rank, bucket_id, across_nodes)
         self.count, self.rank, self.world = count, rank, topology.world
 
-    def __call__(self, amaxes: torch.Tensor, pool, capture: int, path: str) -> torch.Tensor:
+    def __call__(self, amaxes: torch.Tensor, pool, capture: int, path: str, lease) -> torch.Tensor:
         """The max over ranks of `amaxes` (this rank's, `count` fp32 on the pool's device), using a
         window of `pool` (a _pool.WindowPool) during a CUDA graph capture `capture` (0: none) of
-        group `path`."""
+        group `path`, whose windows `lease` (a _window.WindowLease) holds."""
         if amaxes.dtype != torch.float32 or amaxes.shape != (self.count,) or not amaxes.is_contiguous():
             raise ValueError(f"tide.fsdp: param group {path}: float8 amaxes are {amaxes.dtype} of shape "
                              f"{tuple(amaxes.shape)}, expected {self.count} contiguous float32")
         p = self.layout.params[0]
         windows = pool.of_size(self.program.window_bytes)
-        window = windows.acquire(capture=capture, path=path)
+        window = windows.acquire(capture=capture, path=path, lease=lease)
         try:
             stream = torch.cuda.current_stream(pool.device) if pool.device.type == "cuda" else None
             if stream is not None:
@@ -146,6 +146,8 @@ class AmaxExchange:
             maxima = gathered.view(self.world, p.slot_bytes)[:, :4 * self.count].view(torch.float32).amax(0)
             if stream is not None:  # the window is written again after the max has read it
                 window.set_ready(stream.record_event(), capture)
+            if capture:
+                lease.record(window, capture)
         finally:
             windows.release(window)
         return maxima

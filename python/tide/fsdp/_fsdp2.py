@@ -48,7 +48,6 @@ HOOK_TARGETS = {
     "foreach_reduce_scatter_copy_in": (collectives, "foreach_reduce_scatter_copy_in"),
     "free_unsharded_param": (param_module.FSDPParam, "free_unsharded_param"),
     "unshard": (group_module.FSDPParamGroup, "unshard"),
-    "reshard": (group_module.FSDPParamGroup, "reshard"),
 }
 # The parameters TIDE's dispatchers read from each hooked call, by name (_hooks.Call).
 READ_PARAMETERS = {
@@ -62,8 +61,8 @@ def hook_locations(name: str) -> list:
     """(owner, attribute) pairs where FSDP2 keeps the function `name`: where it calls it from and
     where it is defined (other code may have rebound either)."""
     owner, attr = HOOK_TARGETS[name]
-    defined = {"free_unsharded_param": param_module.FSDPParam, "unshard": group_module.FSDPParamGroup,
-               "reshard": group_module.FSDPParamGroup}.get(name, collectives)
+    defined = {"free_unsharded_param": param_module.FSDPParam,
+               "unshard": group_module.FSDPParamGroup}.get(name, collectives)
     return [(owner, attr), (defined, attr)]
 
 
@@ -76,7 +75,6 @@ SOURCE_FILES = {
     "foreach_reduce_scatter_copy_in": collectives.__file__,
     "free_unsharded_param": param_module.__file__,
     "unshard": group_module.__file__,
-    "reshard": group_module.__file__,
 }
 
 

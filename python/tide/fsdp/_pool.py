@@ -3,23 +3,39 @@ programs on it."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import torch
 import torch.distributed as dist
 
 from .. import _tide
 from ..distributed import store_bootstrap
+from ._agreement import exchange
 from ._capture import not_capturable
+
+# How long a wait for CUDA's report that graphs are gone lasts (CUDA reports a destroyed graph
+# from a thread of its own, once its last replays are done): tide.fsdp.disable, and a captured
+# group's remap, wait this long before they refuse.
+GRAPH_END_WAIT_S = 2.0
 
 
 class PooledWindow:
     """One window of a pool and its executor. On CUDA, `ready` is the event after which the window
     may be written again (its last reader's stream recorded it), and `ready_capture` the CUDA graph
-    capture it was recorded in (0: none)."""
+    capture it was recorded in (0: none).
+
+    `captures`: per CUDA graph capture that recorded programs on this window, the leases
+    (_window.WindowLease) whose programs they are. While one of those graphs lives, its replays
+    write the window, which therefore belongs to those leases (docs/DESIGN.md section 4): the pool
+    hands it to no other. A record goes only when every rank's CUDA reported its graph gone
+    (WindowPool.forget_ended_captures), so every rank decides from the same records."""
 
     def __init__(self, window, executor) -> None:
         self.shared, self.executor = window, executor
         self.ready = None  # torch.cuda.Event or None
         self.ready_capture = 0
+        self.captures: dict[int, set] = {}  # capture id -> leases
         # CUDA: each program this window runs, prepared once (_tide.PreparedProgram): a run with the
         # pointers of the one before skips the executor's checks and lowering, a pass per param.
         # Keyed by the program object, which the dict keeps alive.
@@ -40,6 +56,27 @@ class PooledWindow:
         """CUDA graphs alive now that replay collectives on this window (0 on CPU): CUDA tells
         the executor when one is destroyed (shortly after, from a thread of its own)."""
         return self.executor.captured_state()[0] if hasattr(self.executor, "captured_state") else 0
+
+    def live_captures(self) -> set[int]:
+        """The captures whose graphs this rank's CUDA has not yet reported gone (none on CPU)."""
+        return set(self.executor.live_captures()) if hasattr(self.executor, "live_captures") else set()
+
+    def record(self, capture: int, lease: object) -> None:
+        """Capture `capture` recorded a program of `lease` on this window."""
+        self.captures.setdefault(capture, set()).add(lease)
+
+    def owners(self, capture: int = 0) -> set:
+        """The leases this window belongs to, by captures other than `capture` (the one in
+        progress, whose groups share the pool's windows as every step does); empty: any lease's."""
+        owners: set = set()
+        for c, leases in self.captures.items():
+            if c != capture:
+                owners |= leases
+        return owners
+
+    def available_to(self, lease: object, capture: int) -> bool:
+        owners = self.owners(capture) if self.captures else ()
+        return not owners or lease in owners
 
     def set_ready(self, event: torch.cuda.Event, capture: int) -> None:
         self.ready, self.ready_capture = event, capture
@@ -75,18 +112,29 @@ class WindowPool:
         # next acquire, until then their lease may take them back (_window.WindowLease).
         self.pending: dict[PooledWindow, object] = {}
         self.stats_enabled = False
+        self.root = self  # the pool whose of_size made this one (itself for a bucket pool)
+        self.capture_seen: dict[int, int] = {}  # the root's: capture id -> order first recorded
 
-    def acquire(self, prefer: PooledWindow | None = None, capture: int = 0, path: str = "") -> PooledWindow:
-        """A free window: `prefer` when it is free (the window a bucket's fixed address maps
-        already, so the bucket need not remap it), else the last released, else a new one. Every
-        rank has the same free list and preference, so every rank takes the same window. A new one
-        is refused during a CUDA graph capture (`capture`, for group `path`)."""
+    def acquire(self, prefer: PooledWindow | None = None, capture: int = 0, path: str = "",
+                lease: object = None) -> PooledWindow:
+        """A free window that belongs to no live graph but `lease`'s (PooledWindow.owners):
+        `prefer` when it is one (the window a bucket's fixed address maps already, so the bucket
+        need not remap it), else the last released, else a new one. Every rank has the same free
+        list, records and preference, so every rank takes the same window. A new one is refused
+        during a CUDA graph capture (`capture`, for group `path`)."""
         self.release_pending()
-        if prefer is not None and prefer in self.free:
+        if prefer is not None and prefer in self.free and prefer.available_to(lease, capture):
             self.free.remove(prefer)
             return prefer
-        if self.free:
-            return self.free.pop()
+        window = self._last_free(lease, capture)
+        if window is None and any(w.captures for w in self.free):
+            # Only windows of live graphs are free: ask every rank's CUDA whether those are gone
+            # before making another window.
+            self.forget_ended_captures()
+            window = self._last_free(lease, capture)
+        if window is not None:
+            self.free.remove(window)
+            return window
         if capture:
             raise not_capturable(path, "it needs a new window while the step is captured (all "
                                  "ranks create it together, on the host)",
@@ -109,6 +157,42 @@ class WindowPool:
         pooled = PooledWindow(window, executor)
         self.windows.append(pooled)
         return pooled
+
+    def _last_free(self, lease: object, capture: int) -> PooledWindow | None:
+        return next((w for w in reversed(self.free) if w.available_to(lease, capture)), None)
+
+    def forget_ended_captures(self, wait: bool = False) -> None:
+        """Drops the records (PooledWindow.captures) of captures whose graphs every rank's CUDA
+        reported gone: ranks agree through the store, as CUDA reports a destroyed graph late and
+        not at the same moment on every rank. Captures are named by the order this pool's windows
+        first recorded them, the same on every rank (capture ids are per process). `wait`: first
+        wait for this rank's work and up to GRAPH_END_WAIT_S for CUDA's reports (a graph the
+        user has just destroyed)."""
+        root = self.root  # a capture's records span the bucket pool and its wider pools
+        windows = [w for w in root.all_windows() if w.captures]
+        order = root._capture_order()
+        if wait and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            deadline = time.monotonic() + GRAPH_END_WAIT_S
+            while any(w.live_captures() & w.captures.keys() for w in windows) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        live = set().union(*(w.live_captures() for w in windows)) if windows else set()
+        mine = sorted(order[c] for c in order if c not in live)
+        theirs = exchange(root.group, f"{root.name}/ended-captures", json.dumps(mine),
+                          self.timeout_ms or _tide.default_timeout_ms())
+        ended = set.intersection(*(set(json.loads(t)) for t in theirs))
+        for w in windows:
+            for c in [c for c in w.captures if order[c] in ended]:
+                for lease in w.captures.pop(c):
+                    lease.forget_capture(c)
+
+    def _capture_order(self) -> dict[int, int]:
+        """Capture id -> its place in the order this pool family's windows first recorded it."""
+        seen = self.capture_seen
+        for w in self.all_windows():
+            for c in w.captures:
+                seen.setdefault(c, len(seen))
+        return seen
 
     def release(self, pooled: PooledWindow) -> None:
         self.free.append(pooled)
@@ -144,6 +228,7 @@ class WindowPool:
             pool = WindowPool(self.group, window_bytes, self.timeout_ms, f"{self.name}/size/{window_bytes}",
                               self.device, self.topology, self.transport)
             pool.stats_enabled = self.stats_enabled
+            pool.root = self.root
             self.sized[window_bytes] = pool
         return pool
 

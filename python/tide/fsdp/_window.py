@@ -29,10 +29,21 @@ class WindowLease:
         self.vacated = False
         self.mapped: PooledWindow | None = None  # the window mapped at the fixed address (kept after release)
         self.freed: torch.cuda.Event | None = None  # CUDA: on the compute stream after the params' last use
+        self.freed_capture = 0  # the capture `freed` was recorded in (0: none)
         self.staging_pool: WindowPool | None = None  # where the reduce-scatter's window returns
-        # The group's path once its all-gather was captured in a CUDA graph (the bucket sets it):
-        # the graph writes the window mapped here then, so the address must keep mapping it.
-        self.captured_path: str | None = None
+        # The captures that recorded this lease's programs, kept as long as their records on the
+        # windows (PooledWindow.captures): while one lives, the graph's replays write the window
+        # mapped here, so the address must keep mapping it.
+        self.captures: set[int] = set()
+
+    def record(self, window: PooledWindow, capture: int) -> None:
+        """Capture `capture` recorded a program of this lease on `window`: the window is the
+        graph's, and this lease's, while the graph lives."""
+        window.record(capture, self)
+        self.captures.add(capture)
+
+    def forget_capture(self, capture: int) -> None:
+        self.captures.discard(capture)
 
     def _reclaim(self) -> bool:
         """Whether this lease still has its window: held, or vacated and taken back from the pool's
@@ -51,7 +62,7 @@ class WindowLease:
         graph capture (`capture`, for group `path`) a remap is refused."""
         if self._reclaim():
             return self.window
-        window = self.pool.acquire(prefer=self.mapped, capture=capture, path=path)
+        window = self.pool.acquire(prefer=self.mapped, capture=capture, path=path, lease=self)
         try:
             if capture and self.mapped is not window:
                 raise not_capturable(path, "its all-gather must map another pooled window at the "
@@ -60,25 +71,26 @@ class WindowLease:
                                      "groups share fewer windows than they hold at once",
                                      "capture a model whose groups keep their windows (the pool "
                                      "makes one per group held at once), or run uncaptured")
-            self._map(window)
+            self._map(window, path)
         except BaseException:  # not mapped: not this lease's, so back to the pool
             self.pool.release(window)
             raise
         self.window = window
         return window
 
-    def _map(self, window: PooledWindow) -> None:
+    def _map(self, window: PooledWindow, path: str) -> None:
         if self.mapped is window:
             # Still mapped here since this lease last held it (windows map at several addresses
             # at once): no remap, so no host wait; the window's `ready` event orders its reuse.
             return
-        if self.captured_path is not None and self.mapped is not None and self.mapped.live_graphs() == 0:
-            self.captured_path = None  # the graphs that wrote the window mapped here are gone
-        if self.captured_path is not None:
-            # A graph's replays write the window captured, and its parameters read this address:
-            # mapping another window here would hand them stale bytes.
+        if self.mapped is not None and self in self.mapped.owners():
+            # A graph's replays write the window mapped here, and its parameters read this
+            # address: mapping another window would hand them stale bytes. Unless the graphs
+            # are gone, which CUDA reports late: wait for that (every rank takes this path).
+            self.pool.forget_ended_captures(wait=True)
+        if self.mapped is not None and self in self.mapped.owners():
             raise RuntimeError(
-                f"tide.fsdp: param group {self.captured_path}: this all-gather, run by run after a "
+                f"tide.fsdp: param group {path}: this all-gather, run by run after a "
                 "CUDA graph captured the group, would map another window at the group's address, "
                 "which the graph's replays do not follow: more groups are unsharded at once than "
                 "the captured step holds (unshard(), reshard_after_forward=False between replays); "
@@ -88,8 +100,12 @@ class WindowLease:
         self.mapped = None  # until the new mapping is in place
         if self.cuda and self.freed is not None:
             # The host remaps the range: the params' last readers (kernels on the compute stream,
-            # recorded when FSDP2 freed them) must be done with the old mapping.
-            self.freed.synchronize()
+            # recorded when FSDP2 freed them) must be done with the old mapping. An event recorded
+            # in a capture is a graph's node, which the host cannot wait for: the device then.
+            if self.freed_capture:
+                torch.cuda.synchronize(self.pool.device)
+            else:
+                self.freed.synchronize()
         self.range.map_data_of(window.shared)
         self.mapped = window
 
@@ -105,8 +121,8 @@ class WindowLease:
         storage.release()
         if self.cuda:  # the params' last readers were enqueued on the current stream
             compute = torch.cuda.current_stream(self.pool.device)
-            self.freed = compute.record_event()
-            self.window.set_ready(self.freed, capture_id(compute))
+            self.freed, self.freed_capture = compute.record_event(), capture_id(compute)
+            self.window.set_ready(self.freed, self.freed_capture)
         self.vacated = True
         self.pool.release_later(self.window, self)
         return True
@@ -118,12 +134,12 @@ class WindowLease:
         outgrows the pool's windows. `release_staging` returns it."""
         if window_bytes > self.pool.window_bytes:
             self.staging_pool = self.pool.of_size(window_bytes)
-            return self.staging_pool.acquire(capture=capture, path=path)
+            return self.staging_pool.acquire(capture=capture, path=path, lease=self)
         self.staging_pool = self.pool
         if self.vacated and self._reclaim():
             window, self.window, self.vacated = self.window, None, False
             return window
-        return self.pool.acquire(capture=capture, path=path)
+        return self.pool.acquire(capture=capture, path=path, lease=self)
 
     def release_staging(self, window: PooledWindow) -> None:
         self.staging_pool.release(window)

@@ -116,9 +116,13 @@ CudaExecutor::CapturedState CudaExecutor::captured_state() {
   Impl& d = *impl_;
   std::lock_guard<std::mutex> lock(d.mutex);
   d.forget_ended_graphs();
-  const int tracked = static_cast<int>(
-      std::count_if(d.graphs.begin(), d.graphs.end(), [](const LiveGraph& g) { return g.tracked; }));
-  return {tracked, static_cast<int>(d.captured.size()), static_cast<int>(d.captured_slots.size())};
+  CapturedState state;
+  for (const LiveGraph& g : d.graphs)
+    if (g.tracked) state.captures.push_back(g.capture);
+  state.graphs = static_cast<int>(state.captures.size());
+  state.waits = static_cast<int>(d.captured.size());
+  state.slots = static_cast<int>(d.captured_slots.size());
+  return state;
 }
 
 }  // namespace tide
