@@ -26,6 +26,8 @@ import os
 import random
 import sys
 
+import types
+
 import torch
 import torch.distributed as dist
 
@@ -126,6 +128,53 @@ def install_block_mask_without_separate_full_blocks() -> bool:
     return True
 
 
+def install_stable_document_mask_mods(force: bool = False) -> bool:
+    """D. torchtitan's flex-attention mask_mod as the same function object every step, reading its
+    document tensors from buffers updated in place, where torch's BlockMask keeps mask_mod, closure
+    tensors and all, in its pytree context (torch 2.11: BlockMask._flatten wraps it in a
+    _MaskModWrapper that compares __code__ and closure contents; torch 2.13 lifts the closure
+    tensors into the leaves, _extract_callable_pytree). torchtitan's CUDAGraphInputSpec requires
+    that context to be equal every step (cudagraph.py:87-95) and rebuilds each step's BlockMask
+    from the FIRST step's context (cudagraph.py:118): its decoder builds a new and_masks(causal,
+    packed_document_mask) each step, whose closure holds two new functions (unequal: the
+    ValueError), and whose document tensors would otherwise stay the first step's in every
+    replay. With stable functions over stable buffers both hold: the context is equal, and the
+    buffers (graph inputs at fixed addresses) carry each step's documents. Same values as
+    torchtitan's own factories, eager or captured; both runs of a comparison get it. Whether it
+    was installed."""
+    from torch.nn.attention import flex_attention
+
+    if hasattr(flex_attention, "_extract_callable_pytree") and not force:
+        return False
+    from torchtitan.models.common import attention, decoder
+
+    causal = attention.get_causal_mask_mod()  # no closure: one instance serves every call
+    make_document = attention.get_efficient_causal_mask_mod_for_packed_document
+    stable = {}  # (code, positions' shape, device) -> (buffers, mask_mod reading them)
+
+    def document_mask_mod(positions):
+        fresh = make_document(positions)
+        values = [cell.cell_contents for cell in fresh.__closure__ or ()]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise TypeError(f"torchtitan_cpu: {fresh.__qualname__} closes over a non-tensor: "
+                            "shim D handles only tensors")
+        key = (fresh.__code__, tuple(positions.shape), positions.device)
+        if key not in stable:
+            buffers = [v.clone() for v in values]
+            cells = tuple(types.CellType(b) for b in buffers)
+            stable[key] = buffers, types.FunctionType(fresh.__code__, fresh.__globals__, fresh.__name__,
+                                                      fresh.__defaults__, cells)
+        buffers, mask_mod = stable[key]
+        for buffer, value in zip(buffers, values):
+            buffer.copy_(value)
+        return mask_mod
+
+    # decoder.py:287-288 looks both up in its own globals at each call
+    decoder.get_causal_mask_mod = lambda: causal
+    decoder.get_efficient_causal_mask_mod_for_packed_document = document_mask_mod
+    return True
+
+
 # A, before anything imports torchtitan: it imports DataParallelMeshDims (torch 2.13 has it, 2.11 not).
 install_data_parallel_mesh_dims()
 
@@ -181,6 +230,9 @@ if not hasattr(dist, "set_timeout"):
 install_unchunked_loss()
 # C. torchtitan's flex-attention masks pass a create_block_mask keyword that torch 2.11 lacks.
 install_block_mask_without_separate_full_blocks()
+# D. torch 2.11's BlockMask keeps its mask_mod, closure and all, in its pytree context, which
+#    torchtitan's CUDA-graph wrapper requires equal every step (2.13 lifts the closure into leaves).
+install_stable_document_mask_mods()
 
 
 def cpu_config(config, force_sum: bool = True):

@@ -262,6 +262,26 @@ def _build(cfg, device: str, mp: str, world: int, expert_shard_dim: int = 0, fp8
     return model
 
 
+@contextlib.contextmanager
+def _deterministic_algorithms(on: bool):
+    """torch.use_deterministic_algorithms(True) while `on` (the flag is read when each kernel is
+    launched, so a capture bakes the deterministic kernels into its graph), without filling every
+    torch.empty with NaN; the previous settings restored."""
+    if not on:
+        yield
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+
+
 def _collective_runs(counts: dict) -> int:
     return counts["all_gathers"] + counts["reduce_scatters"]
 
@@ -319,15 +339,18 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
             raise RuntimeError(f"tide-bench fsdp: TIDE handled no param group on rank {rank}: "
                                f"{handle.fallbacks}")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1000 + rank)
+    gen = torch.Generator(device).manual_seed(1000 + rank)  # the batch is drawn on the device
     total = opts["warmup"] + opts["steps"]
     step_s, host_s, coll_s = [], [], []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
+    deterministic = device == "cuda" and cfg.deterministic_backward
+
     def forward_backward(*batch):
-        loss = cfg.loss(model, batch)
-        loss.backward()
+        with _deterministic_algorithms(deterministic):
+            loss = cfg.loss(model, batch)
+            loss.backward()
         return loss.detach()
 
     if captured:

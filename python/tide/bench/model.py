@@ -29,6 +29,8 @@ def _require_positive(cfg, names) -> None:
 
 class _ConfigBase:
     family = ""
+    # Whether a CUDA step runs its forward + backward under torch.use_deterministic_algorithms.
+    deterministic_backward = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,7 +113,8 @@ class Block(nn.Module):
 
 
 def _token_batch(vocab: int, batch: int, seq: int, generator, device) -> tuple:
-    return (torch.randint(0, vocab, (batch, seq), generator=generator).to(device),)
+    # drawn where the generator lives: fsdp_bench's is on the GPU (no host RNG, no H2D copy)
+    return (torch.randint(0, vocab, (batch, seq), generator=generator, device=generator.device).to(device),)
 
 
 def _next_token_loss(model, batch: tuple):
@@ -370,6 +373,10 @@ class WanConfig(_ConfigBase):
     patch_in: int = 64  # latent channels x patch volume (Wan: 16 x 1 x 2 x 2)
     checkpointed: bool = False
     family = "wan"
+    # Its cross-attention sums each query's gradient over 512 text tokens, several key tiles:
+    # every fused SDPA backward (cuDNN, flash, memory-efficient) adds the tiles with atomics, in no
+    # fixed order, unless deterministic algorithms are on (flash, ordered; cuDNN is then not chosen).
+    deterministic_backward = True
 
     def validate(self) -> None:
         _require_positive(self, ("dim", "layers", "heads", "ffn", "freq_dim", "text_dim", "text_len",
@@ -394,10 +401,11 @@ class WanConfig(_ConfigBase):
         return WanModel(self)
 
     def batch(self, batch: int, seq: int, generator, device) -> tuple:
-        latents = torch.randn(batch, seq, self.patch_in, generator=generator)
-        timesteps = torch.randint(0, 1000, (batch,), generator=generator)
-        context = torch.randn(batch, self.text_len, self.text_dim, generator=generator)
-        target = torch.randn(batch, seq, self.patch_in, generator=generator)
+        on = {"generator": generator, "device": generator.device}  # see _token_batch
+        latents = torch.randn(batch, seq, self.patch_in, **on)
+        timesteps = torch.randint(0, 1000, (batch,), **on)
+        context = torch.randn(batch, self.text_len, self.text_dim, **on)
+        target = torch.randn(batch, seq, self.patch_in, **on)
         return tuple(t.to(device) for t in (latents, timesteps, context, target))
 
     def loss(self, model, batch: tuple):
