@@ -12,6 +12,9 @@
 #            users do between replays), test_fsdp_cuda.py (skips without 2 GPUs),
 #            the CLI tests
 #   bench    tide-bench fsdp with its defaults, then with --cuda-graphs (on one GPU: 2 ranks sharing it)
+#   presets  tide-bench fsdp --cuda-graphs --compute-only on every GPU preset (8b-layers, 70b-layers,
+#            qwen3-moe-layers, wan-layers): every group handled, captured vs run by run bitwise, no
+#            collective called from Python in the timed captured steps, a compute-only column
 #   titan    torchtitan's own trainer with --module tide.torchtitan on this GPU, 2 ranks sharing it:
 #            captured (its default) with validation vs --training.disable_cuda_graphs, training and
 #            validation losses bitwise (scripts/torchtitan_gpu.sh); needs build-titan/ with its
@@ -43,7 +46,7 @@ GATE_DIR=${GATE_DIR:-$ROOT/build-gate}
 mkdir -p "$OUT" "$GATE_DIR"
 # Absolute: stages run their commands from /tmp, where a relative OUT names another folder.
 OUT=$(cd "$OUT" && pwd) GATE_DIR=$(cd "$GATE_DIR" && pwd)
-STAGES=(build cpp python bench titan sanitize)
+STAGES=(build cpp python bench presets titan sanitize)
 PY=${PYTHON:-python3}
 say() { echo "== gate: $*"; }
 record() { printf '%s\n%s\n' "$2" "$DIGEST" >"$GATE_DIR/$1"; say "$1: $2"; }
@@ -183,6 +186,43 @@ EOF
   [[ $rc == 0 ]] && record bench "PASS ($summary)" || record bench "FAIL ($summary)"
 }
 
+stage_presets() {
+  # Each GPU preset captured, with its compute-only floor: what BENCHMARKS.md's exposed-communication
+  # table is made of, checked as the bench stage checks --cuda-graphs.
+  local rc=0 checks=() model
+  for model in ${GATE_PRESETS:-8b-layers 70b-layers qwen3-moe-layers wan-layers}; do
+    local log="$OUT/gate_presets_$model.log" json="$OUT/gate_presets_$model.json"
+    (cd /tmp && timeout "${BENCH_TIMEOUT:-540}" tide-bench fsdp --no-progress --model "$model" --cuda-graphs \
+       --compute-only --json "$json") >"$log" 2>&1
+    local run=$?
+    tail -12 "$log"
+    if [[ $run != 0 ]]; then checks+=("$model: exit $run"); rc=1; continue; fi
+    local check
+    check=$("$PY" - "$json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+t, eager, floor = d["tide_captured"], d["tide"], d.get("compute_only")
+bad = []
+if t["loop_collectives"] != 0:
+    bad.append(f"{t['loop_collectives']} collectives from Python in the timed captured steps")
+if not t["tide_buckets"] or t["tide_fallbacks"]:
+    bad.append(f"handled {t['tide_buckets']} groups, fallbacks {t['tide_fallbacks']}")
+if d["max_abs_diff"] != 0.0:
+    bad.append(f"captured vs run by run not bitwise: max diff {d['max_abs_diff']}")
+if floor is None or floor["step_ms"] is None:
+    bad.append("no compute-only column")
+print(f"{d['model']}: " + ("; ".join(bad) or f"{t['tide_buckets']} groups, step ms run by run "
+                             f"{eager['step_ms']:.2f}, captured {t['step_ms']:.2f}, compute-only "
+                             f"{floor['step_ms']:.2f}, bitwise"))
+sys.exit(1 if bad else 0)
+EOF
+) || { rc=1; [[ -n $check ]] || check="$model: the JSON check failed (see above)"; }
+    checks+=("$check")
+  done
+  local summary; summary=$(printf '%s; ' "${checks[@]}"); summary=${summary%; }
+  [[ $rc == 0 ]] && record presets "PASS ($summary)" || record presets "FAIL ($summary)"
+}
+
 stage_titan() {
   # The README's GPU recipe as a user runs it: torchtitan's trainer, captured, validating between
   # replays, against the same run uncaptured (scripts/torchtitan_gpu.sh prints one verdict line).
@@ -251,7 +291,7 @@ if [[ $# == 0 ]]; then
 fi
 # The sources do not change while the gate runs: their digest, once.
 DIGEST=$(sources_digest)
-usage() { echo "usage: $0 [build|cpp|python|bench|titan|sanitize|verdict|digest|a+b ...]"; exit 2; }
+usage() { echo "usage: $0 [build|cpp|python|bench|presets|titan|sanitize|verdict|digest|a+b ...]"; exit 2; }
 is_stage() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 rc=0
 for stage in "$@"; do
@@ -266,7 +306,7 @@ for stage in "$@"; do
     continue
   fi
   case "$stage" in
-    build|cpp|python|bench|titan|sanitize) "stage_$stage" ;;
+    build|cpp|python|bench|presets|titan|sanitize) "stage_$stage" ;;
     verdict) verdict || rc=1 ;;
     digest) echo "$DIGEST" ;;
     *) usage ;;

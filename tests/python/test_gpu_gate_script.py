@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GATE = ROOT / "scripts" / "gpu_gate.sh"
-STAGES = ("build", "cpp", "python", "bench", "titan", "sanitize")
+STAGES = ("build", "cpp", "python", "bench", "presets", "titan", "sanitize")
 
 
 def gate(script: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -43,7 +43,7 @@ def test_every_stage_passed_on_these_sources_is_a_pass(tmp_path, digest):
         record(tmp_path, s, f"PASS ({s} detail)", digest)
     out = gate(GATE, tmp_path, "verdict")
     assert out.returncode == 0, out.stdout
-    assert out.stdout.startswith("GPU GATE PASS: build PASS, cpp PASS, python PASS, bench PASS, titan PASS, sanitize PASS")
+    assert out.stdout.startswith("GPU GATE PASS: build PASS, cpp PASS, python PASS, bench PASS, presets PASS, titan PASS, sanitize PASS")
     assert "  cpp: PASS (cpp detail)" in out.stdout
 
 
