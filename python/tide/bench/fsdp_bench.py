@@ -58,7 +58,8 @@ class LayoutCopyCounter(TorchDispatchMode):
         return inside
 
     def __enter__(self):
-        self._calls.enter_context(_fsdp2.calls_replaced(dict.fromkeys(SHARD_DIM_FUNCTIONS, self._counted_inside)))
+        counted = dict.fromkeys(SHARD_DIM_FUNCTIONS, self._counted_inside)
+        self._calls.enter_context(_fsdp2.calls_replaced(counted))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -179,7 +180,7 @@ def _collectives_moving_nothing():
     with _fsdp2.calls_replaced({"foreach_all_gather": all_gather,
                                 "foreach_all_gather_copy_out": all_gather_copy_out,
                                 "foreach_reduce": reduce_scatter,
-                                "free_unsharded_param": lambda _: lambda fp: None}):
+                                "free_unsharded_param": lambda _: lambda fp: None}):  # frees nothing
         yield
 
 
