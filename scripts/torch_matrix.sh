@@ -2,6 +2,8 @@
 # The tide.fsdp tests on a second torch version, after scripts/test.sh installed tide into this
 # Python: a virtual environment that sees this Python's packages (tide, pytest, numpy) with its
 # own torch on top. tide's extension does not link torch, so the installed build serves both.
+# With them, tide-bench's compute-only reference (stand-ins for FSDP2's collectives, which return
+# what each version's FSDP2 unpacks): one short stock and compute-only run at W = 2.
 #   scripts/torch_matrix.sh [torch version]   (default 2.14.1)
 # A release this machine's pip sources or configuration do not give (its global constraints file
 # caps torch at the releases on its disk: `pip config list`) comes from PyPI into a wheel directory
@@ -47,4 +49,5 @@ fi
 "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider tests/python/test_extension.py \
   tests/python/test_fsdp_conformance.py tests/python/test_fsdp_dtensor.py tests/python/test_fsdp.py \
   tests/python/test_fsdp_extensions.py tests/python/test_fsdp_lifetime.py tests/python/test_fsdp_window.py \
-  tests/python/test_fsdp_shard_dim.py -k "not cuda and not cpu-W3"
+  tests/python/test_fsdp_shard_dim.py tests/python/test_bench_cli.py::test_compute_only_collectives_move_nothing \
+  -k "not cuda and not cpu-W3"

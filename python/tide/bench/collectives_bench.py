@@ -17,10 +17,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard import _fsdp_collectives  # noqa: F401  (fsdp ops)
 
 import tide
 from tide.distributed import store_bootstrap
+from tide.fsdp import _fsdp2  # noqa: F401  (it imports FSDP2's collectives, which register torch.ops.fsdp)
 from tide.fsdp._memory import bytes_at
 
 PARAMS_PER_BUCKET = 4

@@ -10,11 +10,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard import _fsdp_collectives as _collectives
-from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _group_mod
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..fsdp import _fsdp2  # FSDP2's private functions and objects, as each torch version has them
 
 
 # FSDP2's layout-conversion ops: the copies between per-parameter tensors and flat rank-major
@@ -46,25 +45,25 @@ class LayoutCopyCounter(TorchDispatchMode):
         self.calls = 0
         self.shard_dim_bytes = 0
         self._inside = 0  # depth of SHARD_DIM_FUNCTIONS calls
-        self._saved = {}
+        self._calls = contextlib.ExitStack()
+
+    def _counted_inside(self, fn):
+        def inside(*a, **k):
+            self._inside += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                self._inside -= 1
+
+        return inside
 
     def __enter__(self):
-        for name in SHARD_DIM_FUNCTIONS:
-            fn = self._saved[name] = getattr(_group_mod, name)
-
-            def inside(*a, __fn=fn, **k):
-                self._inside += 1
-                try:
-                    return __fn(*a, **k)
-                finally:
-                    self._inside -= 1
-
-            setattr(_group_mod, name, inside)
+        counted = dict.fromkeys(SHARD_DIM_FUNCTIONS, self._counted_inside)
+        self._calls.enter_context(_fsdp2.calls_replaced(counted))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(_group_mod, name, fn)
+        self._calls.close()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -89,29 +88,28 @@ class CollectiveTimer:
     overlap: the step time is then measured in a separate, untimed pass."""
 
     def __init__(self, device: str):
-        self.device, self.seconds, self.saved = device, 0.0, {}
+        self.device, self.seconds = device, 0.0
+        self._calls = contextlib.ExitStack()
+
+    def _timed(self, fn):
+        def timed(*a, **k):
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        return timed
 
     def __enter__(self):
-        for name in TIMED_FUNCTIONS:
-            fn = getattr(_group_mod, name)
-            self.saved[name] = fn
-
-            def timed(*a, __fn=fn, **k):
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = __fn(*a, **k)
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
-                self.seconds += time.perf_counter() - t0
-                return out
-
-            setattr(_group_mod, name, timed)
+        self._calls.enter_context(_fsdp2.calls_replaced(dict.fromkeys(TIMED_FUNCTIONS, self._timed)))
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(_group_mod, name, fn)
+        self._calls.close()
 
 
 @contextlib.contextmanager
@@ -120,26 +118,18 @@ def _in_place_gloo_reduce_scatter():
     on the GPU (a full-group buffer NCCL does not allocate). Stock's reduce-scatter then runs as an
     in-place all-reduce of FSDP2's scratch input (dead after the call) and a copy of this rank's
     chunk, so stock's GPU memory is what it would be under NCCL."""
-    cls = _collectives.DefaultReduceScatter
-    saved = cls.__call__
 
-    def in_place(self, output_tensor, input_tensor, group, op, async_op=False):
-        if async_op:  # FSDP2 reduces synchronously on its stream; anything else stays gloo's
-            return saved(self, output_tensor, input_tensor, group, op, async_op)
-        dist.all_reduce(input_tensor, op=op, group=group)
-        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()].view_as(output_tensor))
+    def in_place(gloo_call):
+        def reduce_scatter(self, output_tensor, input_tensor, group, op, async_op=False):
+            if async_op:  # FSDP2 reduces synchronously on its stream; anything else stays gloo's
+                return gloo_call(self, output_tensor, input_tensor, group, op, async_op)
+            dist.all_reduce(input_tensor, op=op, group=group)
+            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()].view_as(output_tensor))
 
-    cls.__call__ = in_place
-    try:
+        return reduce_scatter
+
+    with _fsdp2.default_reduce_scatter_replaced(in_place):
         yield
-    finally:
-        cls.__call__ = saved
-
-
-def _materialized(fsdp_params) -> bool:
-    """Whether every param of a group holds its unsharded storage (after its first all-gather)."""
-    return all(p.all_gather_outputs and all(t.untyped_storage().size() for t in p.all_gather_outputs)
-               for p in fsdp_params)
 
 
 @contextlib.contextmanager
@@ -153,44 +143,45 @@ def _collectives_moving_nothing():
     holds the model's compute, FSDP2's hooks and the optimizer, and no communication: its peak
     memory (every unsharded param resident) and its final params (zero gradients) compare with
     nothing."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    nothing_gathered = _fsdp2.all_gather_result(None, [], [])
 
-    gather, copy_out, reduce = (_group_mod.foreach_all_gather, _group_mod.foreach_all_gather_copy_out,
-                                _group_mod.foreach_reduce)
-    free = FSDPParam.free_unsharded_param
-    nothing_gathered = _collectives.AllGatherResult(None, None, None, [], [], [])
-
-    def all_gather(fsdp_params, *args, **kwargs):
-        if not _materialized(fsdp_params):
+    def all_gather(gather):
+        def gather_once(fsdp_params, *args, **kwargs):
+            if all(map(_fsdp2.holds_all_gather_outputs, fsdp_params)):
+                return nothing_gathered
             return gather(fsdp_params, *args, **kwargs)
-        return nothing_gathered
 
-    def all_gather_copy_out(result, *args, **kwargs):
-        if result is not nothing_gathered:
-            copy_out(result, *args, **kwargs)
+        return gather_once
 
-    def reduce_scatter(fsdp_params, *args, **kwargs):
-        device = fsdp_params[0].sharded_param.device
-        for p in fsdp_params:
-            if p.sharded_param.grad is None:
-                p.sharded_param.grad = p.to_sharded_dtensor(
-                    torch.zeros(p.sharded_size, dtype=p.sharded_param.dtype, device=device))
-        # What FSDP2's post_backward and finalize_backward expect: nothing to keep alive, and a
-        # stream and an event for the optimizer's stream to wait on: the current stream's own (the
-        # zeros were written there), so that a captured step records the event inside its graph.
-        stream = _get_device_handle(device.type).current_stream()
-        return None, None, stream, stream.record_event(), None, None, None
+    def all_gather_copy_out(copy_out):
+        def copy_out_once(result, *args, **kwargs):
+            if result is not nothing_gathered:
+                copy_out(result, *args, **kwargs)
 
-    _group_mod.foreach_all_gather = all_gather
-    _group_mod.foreach_all_gather_copy_out = all_gather_copy_out
-    _group_mod.foreach_reduce = reduce_scatter
-    FSDPParam.free_unsharded_param = lambda self: None
-    try:
+        return copy_out_once
+
+    def reduce_scatter(_):
+        def zero_gradients(fsdp_params, unsharded_grads, *args, **kwargs):
+            for fp in fsdp_params:
+                _fsdp2.zero_gradient_if_none(fp)
+            # What FSDP2's post_backward and finalize_backward wait on: an event of the current
+            # stream (the zeros were written there; a captured step records it inside its graph),
+            # for the reduce-scatter and for the post-reduce (torch 2.11 waits the former's
+            # whenever the backward ends), and nothing to keep alive.
+            stream = torch.get_device_module(unsharded_grads[0].device).current_stream()
+            event = stream.record_event()
+            return _fsdp2.foreach_reduce_result(
+                reduce_scatter_input=None, reduce_scatter_event=event, post_reduce_stream=stream,
+                post_reduce_event=event, all_reduce_input=None, all_reduce_event=None,
+                partial_reduce_output=None)
+
+        return zero_gradients
+
+    with _fsdp2.calls_replaced({"foreach_all_gather": all_gather,
+                                "foreach_all_gather_copy_out": all_gather_copy_out,
+                                "foreach_reduce": reduce_scatter,
+                                "free_unsharded_param": lambda _: lambda fp: None}):  # frees nothing
         yield
-    finally:
-        _group_mod.foreach_all_gather, _group_mod.foreach_all_gather_copy_out = gather, copy_out
-        _group_mod.foreach_reduce = reduce
-        FSDPParam.free_unsharded_param = free
 
 
 class PssSampler:
@@ -449,7 +440,6 @@ def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> di
 
 def _group_count(model) -> int:
     """FSDP2 param groups under the model (the denominator of "TIDE handled N")."""
-    from ..fsdp import _fsdp2
     return len(_fsdp2.param_groups(model))
 
 

@@ -1,4 +1,5 @@
-"""The version adapter: every private FSDP2 symbol tide.fsdp touches, and nothing else.
+"""The version adapter: every private FSDP2 symbol tide touches (tide.fsdp, and tide-bench's
+stand-ins for FSDP2's collectives), and nothing else.
 
 FSDP2's internals (``torch.distributed.fsdp._fully_shard``) change between releases; this module
 is the one place that reads them, so a new torch version means reading this file against its
@@ -9,6 +10,7 @@ one line, a version outside the range tide.fsdp is written and tested against.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 from typing import Callable
 
@@ -523,3 +525,79 @@ def forget_unsharded(fp) -> None:
     fp._unsharded_inner_tensors = []  # an extension's (fsdp_post_all_gather's) views of them
     if hasattr(fp, "_unsharded_param"):
         del fp._unsharded_param
+
+
+# --- FSDP2's calls as tide-bench replaces them (bench/fsdp_bench.py) ------------------------------
+
+@contextlib.contextmanager
+def calls_replaced(replacements: dict):
+    """Within the block FSDP2 calls ``replacements[name](original)`` where it calls its function
+    `name` (a HOOK_TARGETS name, looked up where FSDP2's param group or FSDPParam calls it),
+    `original` being what it called there before: stock's, another replacement, or a function TIDE
+    hooked (TIDE replaces the function object's code, so its dispatch runs inside `original`). Each
+    is put back on exit."""
+    saved = []
+    try:
+        for name, replace in replacements.items():
+            owner, attr = HOOK_TARGETS[name]
+            original = getattr(owner, attr)
+            setattr(owner, attr, replace(original))
+            saved.append((owner, attr, original))
+        yield
+    finally:
+        for owner, attr, original in reversed(saved):
+            setattr(owner, attr, original)
+
+
+@contextlib.contextmanager
+def default_reduce_scatter_replaced(replace: Callable):
+    """Within the block FSDP2's default reduce-scatter comm (DefaultReduceScatter, a group's unless
+    it has a custom one) calls ``replace(original)`` as its ``__call__`` method, `original` being
+    the one it had."""
+    cls = collectives.DefaultReduceScatter
+    original = cls.__call__
+    cls.__call__ = replace(original)
+    try:
+        yield
+    finally:
+        cls.__call__ = original
+
+
+# What foreach_reduce returns, in order, by the names post_backward unpacks it into. torch 2.11
+# returns no post_reduce_stream (the stream the post-reduce event is recorded on; later releases
+# key that event by it in comm_ctx._last_post_reduce_events): whether the running torch does is
+# read from foreach_reduce's declared return type, whose str names torch.Stream among the tuple's
+# types whether the annotation is evaluated (2.11 to 2.15) or a string.
+REDUCE_RESULTS = tuple(
+    name for name in ("reduce_scatter_input", "reduce_scatter_event", "post_reduce_stream",
+                      "post_reduce_event", "all_reduce_input", "all_reduce_event", "partial_reduce_output")
+    if name != "post_reduce_stream"
+    or "Stream" in str(inspect.signature(collectives.foreach_reduce).return_annotation))
+
+
+def foreach_reduce_result(*, reduce_scatter_input, reduce_scatter_event, post_reduce_stream,
+                          post_reduce_event, all_reduce_input, all_reduce_event,
+                          partial_reduce_output) -> tuple:
+    """The tuple a stand-in for foreach_reduce returns, shaped as the running torch's FSDP2 unpacks
+    it (REDUCE_RESULTS: post_reduce_stream is left out where foreach_reduce returns none)."""
+    results = {"reduce_scatter_input": reduce_scatter_input, "reduce_scatter_event": reduce_scatter_event,
+               "post_reduce_stream": post_reduce_stream, "post_reduce_event": post_reduce_event,
+               "all_reduce_input": all_reduce_input, "all_reduce_event": all_reduce_event,
+               "partial_reduce_output": partial_reduce_output}
+    return tuple(results[name] for name in REDUCE_RESULTS)
+
+
+def holds_all_gather_outputs(fp) -> bool:
+    """Whether the param's all-gather outputs (what its unsharded param views) exist and hold their
+    storage: an all-gather filled them and no reshard has freed them since."""
+    outputs = fp.all_gather_outputs
+    return bool(outputs) and all(t.untyped_storage().size() for t in outputs)
+
+
+def zero_gradient_if_none(fp) -> None:
+    """Gives the param (FSDP2's sharded DTensor of it) a zero gradient of its shard's shape and
+    dtype, as a reduce-scatter would give it a gradient, unless it already has one."""
+    sharded = fp.sharded_param
+    if sharded.grad is None:
+        sharded.grad = fp.to_sharded_dtensor(torch.zeros(fp.sharded_size, dtype=sharded.dtype,
+                                                         device=sharded.device))
