@@ -17,6 +17,9 @@ held by a group it did not capture.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import traceback
+import weakref
 
 import pytest
 import torch
@@ -30,8 +33,10 @@ import tide.fsdp
 from tide.bench.model import PRESETS, LlamaModel
 from tide.fsdp import _capture, _pool
 
+# aborted_capture last: torch's CUDA generator stays in its capture state after a capture that
+# raised (any later CUDA random number raises), and every scenario builds its model with one.
 SCENARIOS = ("reference_model", "reference_model_before_too", "eval_only_module", "teardown_then_gather",
-             "aborted_capture", "chunked_loss")
+             "chunked_loss", "aborted_capture")
 STEPS = 8  # a warm-up, a capture and >= 5 replays
 CAPTURE_STEP = 1
 FAKE_CAPTURE = 77  # the CPU stand-in for a CUDA capture id
@@ -136,7 +141,7 @@ class Steps:
 
     def __init__(self, fn, captured: bool, device, abort: bool):
         self.fn, self.captured, self.cuda, self.abort = fn, captured, device.type == "cuda", abort
-        self.calls, self.step, self.fake, self.now = 0, None, None, fn
+        self.calls, self.step, self.fake, self.now, self.aborted = 0, None, None, fn, None
         if captured and not self.cuda:
             self.fake = FakeCapture()
 
@@ -146,6 +151,7 @@ class Steps:
         if not self.captured or (self.abort and self.calls > CAPTURE_STEP + 1):
             return None if aborting else self.fn(*batch)  # run by run, the failed step is not run
         self.now = self._aborting if aborting else self.fn
+        stream = torch.cuda.current_stream() if self.cuda else None
         try:
             if self.cuda:
                 from tide.bench.captured_step import CapturedStep
@@ -155,10 +161,18 @@ class Steps:
             if self.calls == CAPTURE_STEP + 1:
                 return self.fake.capturing(self.now, *batch)
             return self.fn(*batch)
-        except RuntimeError:
+        except Exception:  # noqa: BLE001 - CUDA's error at the host sync, or ours on CPU
             if not aborting:
                 raise
-            self.destroy()  # the capture aborted: the step stays uncaptured from here on
+            # The capture aborted; the step stays uncaptured from here on. torch.cuda.graph left
+            # its capture stream current (its exit raised before restoring it): back to ours. The
+            # graph object stays referenced (torch's allocator may still consult it) but holds
+            # nothing.
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+            self.aborted, self.step = self.step, None
+            if self.fake is not None:
+                self.fake.destroy()
             return None
 
     def _aborting(self, *batch):
@@ -278,7 +292,7 @@ def every_scenario(rank: int, world: int, device) -> dict:
             try:
                 results[name, captured] = scenario(rank, world, device, name, captured)
             except Exception as e:  # noqa: BLE001 - the scenario's test reports it
-                results[name, captured] = f"{type(e).__name__}: {e}"
+                results[name, captured] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
     return results
 
 
@@ -330,3 +344,40 @@ def gpu_runs(request):
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_cuda_captured_and_replayed(gpu_runs, name):
     check(gpu_runs, name, replays=True)
+
+
+def freed_at_disable(rank: int, world: int, device) -> dict:
+    """With captures recorded (a stand-in capture on CPU), TIDE's objects form no reference cycle:
+    the windows go as soon as the model and handle do, with the garbage collector off. Left to the
+    collector, a window's teardown (a device synchronize on CUDA) can run while another graph is
+    being captured, and invalidate that capture (seen on one H100: the next scenario's capture)."""
+    cfg, parent = _build("teardown_then_gather", device)
+    handle = tide.fsdp.enable(parent, timeout_ms=60000)
+    gen = torch.Generator().manual_seed(rank)
+    fake = FakeCapture()
+    try:
+        for i in range(2):
+            step = (lambda t: _next_token(parent.model, t).backward())
+            if i == 0:
+                step(cfg.batch(2, 16, gen, device)[0])
+            else:
+                fake.capturing(step, cfg.batch(2, 16, gen, device)[0])
+        recorded = sum(bool(w.captures) for p in handle.pools for w in p.all_windows())
+        windows = [weakref.ref(w) for p in handle.pools for w in p.all_windows()]
+        fake.destroy()
+        tide.fsdp.disable(parent)
+    finally:
+        fake.close()
+    gc.disable()
+    try:
+        del handle, parent
+        alive = sum(w() is not None for w in windows)
+    finally:
+        gc.enable()
+    return {"recorded": recorded, "windows": len(windows), "alive": alive}
+
+
+def test_disable_leaves_no_cycle_for_the_garbage_collector():
+    for rank, r in enumerate(h.run_processes(2, freed_at_disable)):
+        assert r["recorded"] > 0 and r["windows"] > 0, (rank, r)
+        assert r["alive"] == 0, f"rank {rank}: {r['alive']} of {r['windows']} windows outlive the handle: {r}"

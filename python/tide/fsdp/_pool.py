@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ class PooledWindow:
         self.shared, self.executor = window, executor
         self.ready = None  # torch.cuda.Event or None
         self.ready_capture = 0
-        self.captures: dict[int, set] = {}  # capture id -> leases
+        self.captures: dict[int, weakref.WeakSet] = {}  # capture id -> leases
         # CUDA: each program this window runs, prepared once (_tide.PreparedProgram): a run with the
         # pointers of the one before skips the executor's checks and lowering, a pass per param.
         # Keyed by the program object, which the dict keeps alive.
@@ -62,8 +63,11 @@ class PooledWindow:
         return set(self.executor.live_captures()) if hasattr(self.executor, "live_captures") else set()
 
     def record(self, capture: int, lease: object) -> None:
-        """Capture `capture` recorded a program of `lease` on this window."""
-        self.captures.setdefault(capture, set()).add(lease)
+        """Capture `capture` recorded a program of `lease` on this window. Held weakly: the lease
+        holds its pool, which holds this window, and a cycle would leave the windows to the
+        garbage collector, whose next run may come while another graph is being captured on this
+        thread, where a window's teardown (a device synchronize) invalidates that capture."""
+        self.captures.setdefault(capture, weakref.WeakSet()).add(lease)
 
     def owners(self, capture: int = 0) -> set:
         """The leases this window belongs to, by captures other than `capture` (the one in
@@ -71,7 +75,7 @@ class PooledWindow:
         owners: set = set()
         for c, leases in self.captures.items():
             if c != capture:
-                owners |= leases
+                owners |= set(leases)
         return owners
 
     def available_to(self, lease: object, capture: int) -> bool:
@@ -112,7 +116,9 @@ class WindowPool:
         # next acquire, until then their lease may take them back (_window.WindowLease).
         self.pending: dict[PooledWindow, object] = {}
         self.stats_enabled = False
-        self.root = self  # the pool whose of_size made this one (itself for a bucket pool)
+        # The pool whose of_size made this one (None: itself), held weakly: windows must go by
+        # reference counting alone (PooledWindow.record says why).
+        self._root: weakref.ref | None = None
         self.capture_seen: dict[int, int] = {}  # the root's: capture id -> order first recorded
 
     def acquire(self, prefer: PooledWindow | None = None, capture: int = 0, path: str = "",
@@ -157,6 +163,10 @@ class WindowPool:
         pooled = PooledWindow(window, executor)
         self.windows.append(pooled)
         return pooled
+
+    @property
+    def root(self) -> "WindowPool":
+        return self._root() if self._root is not None else self
 
     def _last_free(self, lease: object, capture: int) -> PooledWindow | None:
         return next((w for w in reversed(self.free) if w.available_to(lease, capture)), None)
@@ -228,7 +238,7 @@ class WindowPool:
             pool = WindowPool(self.group, window_bytes, self.timeout_ms, f"{self.name}/size/{window_bytes}",
                               self.device, self.topology, self.transport)
             pool.stats_enabled = self.stats_enabled
-            pool.root = self.root
+            pool._root = weakref.ref(self.root)
             self.sized[window_bytes] = pool
         return pool
 
