@@ -355,13 +355,12 @@ def freed_at_disable(rank: int, world: int, device) -> dict:
     handle = tide.fsdp.enable(parent, timeout_ms=60000)
     gen = torch.Generator().manual_seed(rank)
     fake = FakeCapture()
+    def step(tokens, model=parent.model):
+        _next_token(model, tokens).backward()
+
     try:
-        for i in range(2):
-            step = (lambda t: _next_token(parent.model, t).backward())
-            if i == 0:
-                step(cfg.batch(2, 16, gen, device)[0])
-            else:
-                fake.capturing(step, cfg.batch(2, 16, gen, device)[0])
+        step(cfg.batch(2, 16, gen, device)[0])  # the warm-up, then the stand-in capture
+        fake.capturing(step, cfg.batch(2, 16, gen, device)[0])
         recorded = sum(bool(w.captures) for p in handle.pools for w in p.all_windows())
         windows = [weakref.ref(w) for p in handle.pools for w in p.all_windows()]
         fake.destroy()
