@@ -142,22 +142,26 @@ from importlib.metadata import version; print('torchtitan', version('torchtitan'
   [[ $rc == 0 ]] && record python "PASS ($summary)" || record python "FAIL (exit $rc: $summary)"
 }
 
-stage_bench() {
-  # tide-bench fsdp with its defaults (stock FSDP2 vs TIDE), then --cuda-graphs (TIDE run by run vs
-  # TIDE inside captured steps); each run's JSON is checked.
-  local rc=0 checks=() mode
-  for mode in stock cuda_graphs; do
-    local flags=() log="$OUT/gate_bench_$mode.log" json="$OUT/gate_fsdp_$mode.json"
-    [[ $mode == cuda_graphs ]] && flags=(--cuda-graphs)
+fsdp_runs() {
+  # `tide-bench fsdp` runs, each "<label>:<check>:<flags...>", its JSON checked, recorded as stage
+  # $1. check: stock (stock FSDP2 vs TIDE: no layout copies under TIDE, bitwise at W = 2),
+  # cuda_graphs (TIDE run by run vs captured: every timed step a replay, no TIDE collective called
+  # from Python in them, bitwise), or floor (cuda_graphs and a compute-only column).
+  local stage=$1 rc=0 checks=() run
+  shift
+  for run in "$@"; do
+    local label=${run%%:*} rest=${run#*:}
+    local mode=${rest%%:*} flags=(${rest#*:})
+    local log="$OUT/gate_${stage}_$label.log" json="$OUT/gate_${stage}_$label.json"
     (cd /tmp && timeout "${BENCH_TIMEOUT:-540}" tide-bench fsdp --no-progress "${flags[@]}" --json "$json") \
       >"$log" 2>&1
-    local run=$?
+    local exit=$?
     tail -20 "$log"
-    if [[ $run != 0 ]]; then checks+=("$mode: exit $run"); rc=1; continue; fi
+    if [[ $exit != 0 ]]; then checks+=("$label: exit $exit"); rc=1; continue; fi
     local check
-    check=$("$PY" - "$json" "$mode" <<'EOF'
+    check=$("$PY" - "$json" "$mode" "$label" <<'EOF'
 import json, sys
-d, mode = json.load(open(sys.argv[1])), sys.argv[2]
+d, mode, label = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
 bad = []
 if mode == "stock":
     t, s = d["tide"], d["stock"]
@@ -170,57 +174,42 @@ else:  # every timed step a replay: no TIDE collective called from Python (run b
         bad.append(f"{t['replays']} replays, collectives from Python in the timed steps: "
                    f"{t['loop_collectives']} captured, {d['tide']['loop_collectives']} run by run")
     done = (f"{t['replays']} replays, host ms per step {d['tide']['host_ms']:.2f} -> "
-            f"{t['host_ms']:.2f}")
+            f"{t['host_ms']:.2f}, step ms {d['tide']['step_ms']:.2f} -> {t['step_ms']:.2f}")
+    if mode == "floor":
+        floor = d.get("compute_only")
+        if floor is None or floor["step_ms"] is None:
+            bad.append("no compute-only column")
+        else:
+            done += f" (compute-only {floor['step_ms']:.2f})"
 if not t["tide_buckets"] or t["tide_fallbacks"]:
     bad.append(f"handled {t['tide_buckets']} groups, fallbacks {t['tide_fallbacks']}")
-if d["max_abs_diff"] != 0.0 and (d["world"] == 2 or mode == "cuda_graphs"):
+if d["max_abs_diff"] != 0.0 and (d["world"] == 2 or mode != "stock"):
     bad.append(f"not bitwise: max diff {d['max_abs_diff']}")
-print(f"{mode}: " + ("; ".join(bad) or f"W = {d['world']}, {d['model']}, {t['tide_buckets']} groups, "
-                     f"{done}, max diff {d['max_abs_diff']:.1e}"))
+print(f"{label}: " + ("; ".join(bad) or f"W = {d['world']}, {d['model']}, {t['tide_buckets']} groups, "
+                      f"{done}, max diff {d['max_abs_diff']:.1e}"))
 sys.exit(1 if bad else 0)
 EOF
-) || { rc=1; [[ -n $check ]] || check="$mode: the JSON check failed (see above)"; }
+) || { rc=1; [[ -n $check ]] || check="$label: the JSON check failed (see above)"; }
     checks+=("$check")
   done
   local summary; summary=$(printf '%s; ' "${checks[@]}"); summary=${summary%; }
-  [[ $rc == 0 ]] && record bench "PASS ($summary)" || record bench "FAIL ($summary)"
+  [[ $rc == 0 ]] && record "$stage" "PASS ($summary)" || record "$stage" "FAIL ($summary)"
+}
+
+stage_bench() {
+  # tide-bench fsdp with its defaults (stock FSDP2 vs TIDE), then --cuda-graphs (TIDE run by run vs
+  # TIDE inside captured steps).
+  fsdp_runs bench "stock:stock:" "cuda_graphs:cuda_graphs:--cuda-graphs"
 }
 
 stage_presets() {
   # Each GPU preset captured, with its compute-only floor: what BENCHMARKS.md's exposed-communication
-  # table is made of, checked as the bench stage checks --cuda-graphs.
-  local rc=0 checks=() model
+  # table is made of.
+  local runs=() model
   for model in ${GATE_PRESETS:-8b-layers 70b-layers qwen3-moe-layers wan-layers}; do
-    local log="$OUT/gate_presets_$model.log" json="$OUT/gate_presets_$model.json"
-    (cd /tmp && timeout "${BENCH_TIMEOUT:-540}" tide-bench fsdp --no-progress --model "$model" --cuda-graphs \
-       --compute-only --json "$json") >"$log" 2>&1
-    local run=$?
-    tail -12 "$log"
-    if [[ $run != 0 ]]; then checks+=("$model: exit $run"); rc=1; continue; fi
-    local check
-    check=$("$PY" - "$json" <<'EOF'
-import json, sys
-d = json.load(open(sys.argv[1]))
-t, eager, floor = d["tide_captured"], d["tide"], d.get("compute_only")
-bad = []
-if t["loop_collectives"] != 0:
-    bad.append(f"{t['loop_collectives']} collectives from Python in the timed captured steps")
-if not t["tide_buckets"] or t["tide_fallbacks"]:
-    bad.append(f"handled {t['tide_buckets']} groups, fallbacks {t['tide_fallbacks']}")
-if d["max_abs_diff"] != 0.0:
-    bad.append(f"captured vs run by run not bitwise: max diff {d['max_abs_diff']}")
-if floor is None or floor["step_ms"] is None:
-    bad.append("no compute-only column")
-print(f"{d['model']}: " + ("; ".join(bad) or f"{t['tide_buckets']} groups, step ms run by run "
-                             f"{eager['step_ms']:.2f}, captured {t['step_ms']:.2f}, compute-only "
-                             f"{floor['step_ms']:.2f}, bitwise"))
-sys.exit(1 if bad else 0)
-EOF
-) || { rc=1; [[ -n $check ]] || check="$model: the JSON check failed (see above)"; }
-    checks+=("$check")
+    runs+=("$model:floor:--model $model --cuda-graphs --compute-only")
   done
-  local summary; summary=$(printf '%s; ' "${checks[@]}"); summary=${summary%; }
-  [[ $rc == 0 ]] && record presets "PASS ($summary)" || record presets "FAIL ($summary)"
+  fsdp_runs presets "${runs[@]}"
 }
 
 stage_titan() {

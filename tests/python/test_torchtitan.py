@@ -157,3 +157,45 @@ def test_tide_torchtitan_wraps_any_registered_config_and_keeps_captured_steps():
             tt.llama3_debugmodel()
     finally:
         torchtitan.__version__ = saved
+
+
+def _positions(seed: int, batch: int, seq: int = 256):
+    """Packed-document positions as torchtitan's loader makes them: 0, 1, ... restarting per document."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        row: list = []
+        while len(row) < seq:
+            row += list(range(int(torch.randint(20, 120, (1,), generator=g))))
+        rows.append(row[:seq])
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("batch", [4, 1])
+def test_shim_d_keeps_the_block_masks_context_equal_and_its_documents_current(monkeypatch, batch):
+    """torchtitan_cpu's shim D (needed where BlockMask keeps mask_mod, closure and all, in its pytree
+    context: torch 2.11), forced on here: two steps' mask_mods pass 2.11's equality (same code, same
+    closure contents) and the first step's function masks the second step's documents, as a replay
+    of a graph captured at the first step reads them."""
+    import torch
+    from torch.nn.attention.flex_attention import and_masks, create_mask
+    from torchtitan.models.common import attention, decoder
+    sys.path.insert(0, HERE)
+    import torchtitan_cpu
+
+    p1, p2 = _positions(1, batch), _positions(2, batch)
+    seq = p1.shape[1]
+    expected = create_mask(and_masks(attention.get_causal_mask_mod(),
+                                     attention.get_efficient_causal_mask_mod_for_packed_document(p2)),
+                           batch, None, seq, seq, device="cpu")
+    for name in ("get_causal_mask_mod", "get_efficient_causal_mask_mod_for_packed_document"):
+        monkeypatch.setattr(decoder, name, getattr(decoder, name))  # restored after the test
+    assert torchtitan_cpu.install_stable_document_mask_mods(force=True)
+    first = and_masks(decoder.get_causal_mask_mod(), decoder.get_efficient_causal_mask_mod_for_packed_document(p1))
+    second = and_masks(decoder.get_causal_mask_mod(), decoder.get_efficient_causal_mask_mod_for_packed_document(p2))
+    contents = [tuple(c.cell_contents for c in f.__closure__ or ()) for f in (first, second)]
+    assert first.__code__ == second.__code__ and contents[0] == contents[1]
+    assert torch.equal(create_mask(first, batch, None, seq, seq, device="cpu"), expected)
+    unpatched = and_masks(attention.get_causal_mask_mod(), attention.get_efficient_causal_mask_mod_for_packed_document(p1))
+    assert not torch.equal(create_mask(unpatched, batch, None, seq, seq, device="cpu"), expected)

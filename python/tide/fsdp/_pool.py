@@ -119,7 +119,9 @@ class WindowPool:
         # The pool whose of_size made this one (None: itself), held weakly: windows must go by
         # reference counting alone (PooledWindow.record says why).
         self._root: weakref.ref | None = None
-        self.capture_seen: dict[int, int] = {}  # the root's: capture id -> order first recorded
+        # The root's: capture id -> its place in the order its leases' programs were first
+        # recorded (WindowLease.record), the same on every rank.
+        self.capture_order: dict[int, int] = {}
 
     def acquire(self, prefer: PooledWindow | None = None, capture: int = 0, path: str = "",
                 lease: object = None) -> PooledWindow:
@@ -174,13 +176,13 @@ class WindowPool:
     def forget_ended_captures(self, wait: bool = False) -> None:
         """Drops the records (PooledWindow.captures) of captures whose graphs every rank's CUDA
         reported gone: ranks agree through the store, as CUDA reports a destroyed graph late and
-        not at the same moment on every rank. Captures are named by the order this pool's windows
-        first recorded them, the same on every rank (capture ids are per process). `wait`: first
+        not at the same moment on every rank. Captures are named by the order they were first
+        recorded in (capture_order: capture ids are per process). `wait`: first
         wait for this rank's work and up to GRAPH_END_WAIT_S for CUDA's reports (a graph the
         user has just destroyed)."""
         root = self.root  # a capture's records span the bucket pool and its wider pools
         windows = [w for w in root.all_windows() if w.captures]
-        order = root._capture_order()
+        order = root.capture_order
         if wait and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             deadline = time.monotonic() + GRAPH_END_WAIT_S
@@ -195,14 +197,6 @@ class WindowPool:
             for c in [c for c in w.captures if order[c] in ended]:
                 for lease in w.captures.pop(c):
                     lease.forget_capture(c)
-
-    def _capture_order(self) -> dict[int, int]:
-        """Capture id -> its place in the order this pool family's windows first recorded it."""
-        seen = self.capture_seen
-        for w in self.all_windows():
-            for c in w.captures:
-                seen.setdefault(c, len(seen))
-        return seen
 
     def release(self, pooled: PooledWindow) -> None:
         self.free.append(pooled)

@@ -41,6 +41,8 @@ class WindowLease:
         graph's, and this lease's, while the graph lives."""
         window.record(capture, self)
         self.captures.add(capture)
+        order = self.pool.root.capture_order
+        order.setdefault(capture, len(order))
 
     def forget_capture(self, capture: int) -> None:
         self.captures.discard(capture)
