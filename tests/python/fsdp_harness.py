@@ -13,9 +13,7 @@ their own models there.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import tempfile
 
 import torch
@@ -31,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 import threaded_world
 import tide
 import tide.fsdp
-from tide.bench.launch import exit_rank
+from tide.bench.launch import exit_rank, join_world, rendezvous
 from rounding import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, reduction_bound_scale
 
 DIM, HEADS, KV_HEADS, HIDDEN, VOCAB = 32, 4, 2, 88, 67  # 88 and 67: dim 0 not divisible by 3 or 4
@@ -345,7 +343,6 @@ def run_scenario(opts, world, device, steps=3):
 
 
 def _worker(rank, world, port, names, out_dir, device_type):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cpu")
     if device_type == "cuda":  # ranks share the GPUs; NCCL refuses that, gloo does not
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -353,7 +350,7 @@ def _worker(rank, world, port, names, out_dir, device_type):
         # Bitwise comparisons need run-to-run identical compute (cuBLAS workspaces, no atomics).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_world(port, rank, world, "gloo")
     results = {}
     try:
         for name in names:
@@ -367,18 +364,12 @@ def _worker(rank, world, port, names, out_dir, device_type):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, device_type: str = "cpu") -> dict:
     """Runs every scenario that applies to `world` on `device_type` ("cpu" or "cuda"); returns
     {scenario: [result per rank]}."""
     names = [n for n, (worlds, opts) in SCENARIOS.items() if world in worlds]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, _free_port(), names, out_dir, device_type), nprocs=world,
+    with tempfile.TemporaryDirectory() as out_dir, rendezvous() as port:
+        mp.start_processes(_worker, args=(world, port, names, out_dir, device_type), nprocs=world,
                            join=True, start_method="spawn")
         per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
     return {n: [per_rank[r][n] for r in range(world)] for n in names}
@@ -429,12 +420,11 @@ def compare(world, build, train, groups, before_train=None, stock_copy="chunk_ca
 # --- any function on ranks as spawned processes ------------------------------------------------------
 
 def _fn_worker(rank, world, port, fn, args, out_dir, device_type):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cpu")
     if device_type == "cuda":  # ranks share the GPUs; NCCL refuses that, gloo does not
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_world(port, rank, world, "gloo")
     try:
         torch.save(fn(rank, world, device, *args), os.path.join(out_dir, f"rank{rank}.pt"))
         exit_rank()
@@ -446,7 +436,7 @@ def run_processes(world: int, fn, *args, device_type: str = "cpu") -> list:
     """fn(rank, world, device, *args) on `world` spawned processes (gloo; on CUDA the ranks share the
     GPUs); returns the results in rank order. `fn` must be importable (a module-level function) and
     return what torch.save can store (an exception as its text)."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_fn_worker, args=(world, _free_port(), fn, args, out_dir, device_type),
+    with tempfile.TemporaryDirectory() as out_dir, rendezvous() as port:
+        mp.start_processes(_fn_worker, args=(world, port, fn, args, out_dir, device_type),
                            nprocs=world, join=True, start_method="spawn")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

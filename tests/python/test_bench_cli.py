@@ -1,12 +1,13 @@
 """tide-bench: clear argument errors; a short CPU run whose JSON has every field and whose plots exist
 (and its compute-only reference); the MoE and DiT models, TIDE vs stock, with experts sharded on dim
 0 and on dim 1; the compute-only reference's collectives move nothing; spawned ranks end past the
-interpreter's finalization."""
+interpreter's finalization, and meet on a port held from before they start."""
 
 import atexit
 import dataclasses
 import json
 import os
+import tempfile
 
 import pytest
 import torch
@@ -291,3 +292,35 @@ def test_spawned_ranks_end_without_the_interpreters_finalization(tmp_path):
 
     assert run_ranks(2, "cpu", _mark_finalization, str(tmp_path)) == [0, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def _try_to_bind(rank, world, port):
+    """0 if this rank can bind the port the ranks met on, else the bind's errno."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return e.errno
+    return 0
+
+
+def test_the_rendezvous_port_is_held_from_before_the_ranks_start_until_they_end():
+    """Spawned ranks meet on a port the launcher's store holds from the moment the OS picks it: no
+    other process can take it in between (a port found free, closed and handed to the ranks was
+    taken under parallel test processes: EADDRINUSE at rank 0's bind)."""
+    import errno
+    import socket
+
+    from tide.bench import launch
+
+    with launch.rendezvous() as port:
+        with socket.socket() as s, pytest.raises(OSError) as e:
+            s.bind(("127.0.0.1", port))
+        assert e.value.errno == errno.EADDRINUSE
+        # The ranks join over it, and the port stays held while they run.
+        with tempfile.TemporaryDirectory() as out_dir:
+            torch.multiprocessing.start_processes(launch._spawned, args=(2, port, "cpu", _try_to_bind, (port,), out_dir),
+                                                  nprocs=2, join=True, start_method="spawn")
+            assert [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)] == [errno.EADDRINUSE] * 2

@@ -251,9 +251,8 @@ TIMEOUT_MS = 3000
 
 
 def _stuck_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    h.join_world(port, rank, world, "gloo")
     device = torch.device("cuda", 0)
     cfg, model = _build(CONFIGS["reshard_after_forward"], device)
     tide.fsdp.enable(model, timeout_ms=TIMEOUT_MS)
@@ -286,8 +285,8 @@ def _stuck_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_a_peer_that_stops_replaying_ends_the_waiting_process_naming_it():
-    with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_stuck_worker, args=(2, h._free_port(), out_dir), nprocs=2,
+    with tempfile.TemporaryDirectory() as out_dir, h.rendezvous() as port:
+        context = mp.start_processes(_stuck_worker, args=(2, port, out_dir), nprocs=2,
                                      join=False, start_method="spawn")
         survivor, stopped = context.processes
         survivor.join(timeout=120)

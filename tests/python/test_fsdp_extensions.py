@@ -774,8 +774,7 @@ SCENARIOS = {
 
 
 def _worker(rank, world, port, names, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    h.join_world(port, rank, world, "gloo")
     results = {}
     try:
         for name in names:
@@ -797,8 +796,8 @@ def results(world: int) -> dict:
     if world not in _cache:
         names = [n for n, (_, worlds, torchao_only) in SCENARIOS.items()
                  if world in worlds and (HAVE_TORCHAO or not torchao_only)]
-        with tempfile.TemporaryDirectory() as out_dir:
-            mp.start_processes(_worker, args=(world, h._free_port(), names, out_dir), nprocs=world,
+        with tempfile.TemporaryDirectory() as out_dir, h.rendezvous() as port:
+            mp.start_processes(_worker, args=(world, port, names, out_dir), nprocs=world,
                                join=True, start_method="spawn")
             per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
         _cache[world] = {n: [per_rank[r][n] for r in range(world)] for n in names}

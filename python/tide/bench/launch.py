@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 
@@ -17,10 +16,23 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def rendezvous():
+    """The port spawned ranks meet on (join_world), held by this process's store from before they
+    start until they end: the OS picks it when the store binds it, so no other process can take it
+    in between. (A port found free, closed and handed to the ranks can be: under parallel test
+    processes, rank 0's bind then failed with EADDRINUSE.)"""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
+def join_world(port: int, rank: int, world: int, backend: str) -> None:
+    """In a spawned rank: the default process group, over the store rendezvous() hosts on `port`."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def ranks_share_gpus(device: str, ranks_here: int) -> bool:
@@ -40,8 +52,8 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 def exit_rank() -> None:
-    """Ends a spawned rank's process once its result is saved: after a barrier, since rank 0 hosts
-    the store that the others may still be using, and without the interpreter's finalization.
+    """Ends a spawned rank's process once its result is saved: after a barrier, since under torchrun
+    rank 0 hosts the store that the others may still be using, and without the interpreter's finalization.
     DTensor specs cached past the model keep FSDP2's device mesh, and with it the gloo group, alive
     past destroy_process_group; the group's worker thread can still hold the last reference to a
     finished collective's tensors, and a thread that drops one during finalization takes the GIL,
@@ -62,13 +74,12 @@ def _no_multicast() -> None:
 
 def _spawned(rank, world, port, device, fn, args, out_dir):
     _no_multicast()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:  # ranks share this host's cores: one share each, not every core per rank
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend_for(device, world), rank=rank, world_size=world)
+    join_world(port, rank, world, backend_for(device, world))
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -79,8 +90,8 @@ def _spawned(rank, world, port, device, fn, args, out_dir):
 
 def run_ranks(world: int, device: str, fn, *args) -> list:
     """Runs fn(rank, world, *args) on `world` fresh processes; returns their results in rank order."""
-    with tempfile.TemporaryDirectory(prefix="tide-bench-") as out_dir:
-        mp.start_processes(_spawned, args=(world, _free_port(), device, fn, args, out_dir),
+    with tempfile.TemporaryDirectory(prefix="tide-bench-") as out_dir, rendezvous() as port:
+        mp.start_processes(_spawned, args=(world, port, device, fn, args, out_dir),
                            nprocs=world, join=True, start_method="spawn")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
