@@ -11,7 +11,8 @@
 #            scripts/torchtitan_wrapper.sh made build-titan/), test_fsdp_cuda_graphs_between.py (what
 #            users do between replays), test_fsdp_cuda.py (skips without 2 GPUs),
 #            the CLI tests
-#   bench    tide-bench fsdp with its defaults, then with --cuda-graphs (on one GPU: 2 ranks sharing it)
+#   bench    tide-bench fsdp with its defaults, the README's command: stock FSDP2 vs TIDE (on one GPU:
+#            2 ranks sharing it)
 #   presets  tide-bench fsdp --cuda-graphs --compute-only on every GPU preset (8b-layers, 70b-layers,
 #            qwen3-moe-layers, wan-layers): every group handled, captured vs run by run bitwise, no
 #            collective called from Python in the timed captured steps, a compute-only column
@@ -21,20 +22,20 @@
 #            trainer/ folder (scripts/torchtitan_wrapper.sh), and fails saying so without it
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
 #
-#   scripts/gpu_gate.sh [stage ...]     (default: every stage, in that order)
+#   scripts/gpu_gate.sh first second    the whole gate in two invocations of under ten minutes each
+#                                       (FIRST and SECOND below; docs/testing.md has the stage times)
+#   scripts/gpu_gate.sh [stage ...]     (default: every stage, in that order, in one invocation)
 #   scripts/gpu_gate.sh a+b+c           stages a, b and c side by side (each one's output in
 #                                       $OUT/gate_stage_<name>.txt), then their results
 #   scripts/gpu_gate.sh verdict         the verdict line over the stages run so far
 #   scripts/gpu_gate.sh digest          the sources digest the verdict line names
+#   scripts/gpu_gate.sh touched BASE    (where git is) the stages a change since commit BASE touches;
+#                                       GATE_ONLY="$(scripts/gpu_gate.sh touched BASE)" then limits
+#                                       first, second and the verdict to them
 #
 # Stages record their result and the sources digest in $GATE_DIR (default build-gate/), so the
 # gate can run as several invocations on the same machine; the verdict line counts a stage that has
-# not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/). In two
-# invocations of under ten minutes each on one H200: `build python+bench` (300-440 s), then
-# `cpp sanitize verdict` (~370 s; cpp's tests outrun their 420 s bound beside python and bench);
-# titan (two or three torchtitan runs, RUN_TIMEOUT seconds each at most; not yet timed to the end)
-# in one of its own, before the verdict: beside python+bench on an 80 GB H100 its ranks ran out of
-# memory at set_device (`build python+bench` alone: 274 s there).
+# not run, or ran on other sources, as not passed. Logs go to $OUT (default gpu-out/).
 # A fresh machine has no records: carry $GATE_DIR with the tree (records count for their digest).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -47,6 +48,14 @@ mkdir -p "$OUT" "$GATE_DIR"
 # Absolute: stages run their commands from /tmp, where a relative OUT names another folder.
 OUT=$(cd "$OUT" && pwd) GATE_DIR=$(cd "$GATE_DIR" && pwd)
 STAGES=(build cpp python bench presets titan sanitize)
+# The two invocations: pytest's processes, torchtitan's ranks and the C++ tests side by side (small
+# models; the compute-sanitizer tools reuse cpp's binaries), then the large presets and the stock
+# comparison one after the other (beside each other or beside pytest they would share one GPU's
+# memory with 8B- and 70B-layer models).
+FIRST=(build python+titan+cpp sanitize)
+SECOND=(presets bench verdict)
+# GATE_ONLY: the stages to run (and judge) of those; default all.
+read -ra ONLY <<<"${GATE_ONLY:-${STAGES[*]}}"
 PY=${PYTHON:-python3}
 say() { echo "== gate: $*"; }
 record() { printf '%s\n%s\n' "$2" "$DIGEST" >"$GATE_DIR/$1"; say "$1: $2"; }
@@ -197,9 +206,9 @@ EOF
 }
 
 stage_bench() {
-  # tide-bench fsdp with its defaults (stock FSDP2 vs TIDE), then --cuda-graphs (TIDE run by run vs
-  # TIDE inside captured steps).
-  fsdp_runs bench "stock:stock:" "cuda_graphs:cuda_graphs:--cuda-graphs"
+  # The README's command, tide-bench fsdp with its defaults: stock FSDP2 vs TIDE. (Its captured
+  # steps are the presets stage's 8b-layers run.)
+  fsdp_runs bench "stock:stock:"
 }
 
 stage_presets() {
@@ -262,28 +271,78 @@ sources_digest() {
 }
 
 verdict() {
-  local all=PASS parts=()
-  for s in "${STAGES[@]}"; do
+  local all=PASS parts=() only=""
+  [[ "${ONLY[*]}" == "${STAGES[*]}" ]] || only=" (only the stages GATE_ONLY names)"
+  for s in "${ONLY[@]}"; do
     local r; r=$(result "$s")
     [[ "$r" == PASS* ]] || all=FAIL
     parts+=("$s ${r%% (*}")
   done
   local gpu; gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
-  echo "GPU GATE $all: $(IFS=','; echo "${parts[*]}" | sed 's/,/, /g') [$gpu, $(date -u +%F), sources $DIGEST]"
-  for s in "${STAGES[@]}"; do echo "  $s: $(result "$s")"; done
+  echo "GPU GATE $all$only: $(IFS=','; echo "${parts[*]}" | sed 's/,/, /g') [$gpu, $(date -u +%F), sources $DIGEST]"
+  for s in "${ONLY[@]}"; do echo "  $s: $(result "$s")"; done
   [[ $all == PASS ]]
+}
+
+# touched BASE: the stages that a change since BASE (git diff BASE, the working tree included)
+# touches. The C++ core, the build and the gate itself touch every stage.
+touched() {
+  local base=$1 f stages=()
+  git -C "$ROOT" rev-parse --verify -q "$base^{commit}" >/dev/null || { echo "touched: '$base' is no commit here" >&2; exit 2; }
+  add() { local s; for s in "$@"; do [[ " ${stages[*]} " == *" $s "* ]] || stages+=("$s"); done; }
+  while read -r f; do
+    case $f in
+      src/* | include/* | CMakeLists.txt | pyproject.toml | scripts/gpu_gate.sh | scripts/gpu_suite.sh) add "${STAGES[@]}" ;;
+      bench/*) add build cpp ;;
+      tests/gpu/*) add build cpp sanitize ;;
+      python/tide/bench/*) add build python bench presets ;;
+      python/*) add build python bench presets titan ;;
+      scripts/torchtitan_gpu.sh | tests/python/torchtitan_*) add build titan ;;
+      tests/python/*) add build python ;;
+    esac
+  done < <(git -C "$ROOT" diff --name-only "$base" -- .; git -C "$ROOT" ls-files --others --exclude-standard)
+  local s out=()
+  for s in "${STAGES[@]}"; do [[ " ${stages[*]} " == *" $s "* ]] && out+=("$s"); done
+  echo "${out[*]}"
 }
 
 if [[ $# == 0 ]]; then
   rm -f "$GATE_DIR"/*
   set -- "${STAGES[@]}" verdict
 fi
+if [[ $1 == touched ]]; then
+  [[ $# == 2 ]] || { echo "usage: $0 touched BASE" >&2; exit 2; }
+  touched "$2"
+  exit
+fi
 # The sources do not change while the gate runs: their digest, once.
 DIGEST=$(sources_digest)
-usage() { echo "usage: $0 [build|cpp|python|bench|presets|titan|sanitize|verdict|digest|a+b ...]"; exit 2; }
+usage() { echo "usage: $0 [first|second|build|cpp|python|bench|presets|titan|sanitize|verdict|digest|a+b ...|touched BASE]"; exit 2; }
 is_stage() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
+for s in "${ONLY[@]}"; do is_stage "$s" || { echo "GATE_ONLY: '$s' is no stage (${STAGES[*]})" >&2; exit 2; }; done
+selected() { [[ " ${ONLY[*]} " == *" $1 "* ]]; }
+# first and second: their steps, each step's stages limited to GATE_ONLY's.
+expand() {
+  local step s kept
+  for step in "$@"; do
+    [[ $step == verdict ]] && { echo verdict; continue; }
+    kept=()
+    IFS=+ read -ra group <<<"$step"
+    for s in "${group[@]}"; do selected "$s" && kept+=("$s"); done
+    ((${#kept[@]})) && (IFS=+; echo "${kept[*]}")
+  done
+}
+steps=()
+for arg in "$@"; do
+  case $arg in
+    first) mapfile -t -O "${#steps[@]}" steps < <(expand "${FIRST[@]}") ;;
+    second) mapfile -t -O "${#steps[@]}" steps < <(expand "${SECOND[@]}") ;;
+    *) steps+=("$arg") ;;
+  esac
+done
 rc=0
-for stage in "$@"; do
+for stage in "${steps[@]}"; do
+  start=$SECONDS
   if [[ "$stage" == *+* ]]; then
     [[ "$stage" =~ ^[a-z]+(\+[a-z]+)+$ ]] || usage
     IFS=+ read -ra group <<<"$stage"
@@ -292,10 +351,11 @@ for stage in "$@"; do
     for s in "${group[@]}"; do "stage_$s" >"$OUT/gate_stage_$s.txt" 2>&1 & pids+=($!); done
     for pid in "${pids[@]}"; do wait "$pid"; done
     for s in "${group[@]}"; do say "$s: $(result "$s")"; done
+    say "$stage: $((SECONDS - start)) s"
     continue
   fi
   case "$stage" in
-    build|cpp|python|bench|presets|titan|sanitize) "stage_$stage" ;;
+    build|cpp|python|bench|presets|titan|sanitize) "stage_$stage"; say "$stage: $((SECONDS - start)) s" ;;
     verdict) verdict || rc=1 ;;
     digest) echo "$DIGEST" ;;
     *) usage ;;

@@ -1,6 +1,7 @@
 """scripts/gpu_gate.sh's bookkeeping, without a GPU: the verdict line counts a stage that has not
 run, failed or ran on other sources as not passed; `a+b` runs stages side by side and reports each;
-an unknown stage is refused."""
+an unknown stage is refused; `first second` runs every stage once, GATE_ONLY limits them and the
+verdict, and `touched BASE` names the stages a change touches."""
 
 import os
 import re
@@ -14,8 +15,8 @@ GATE = ROOT / "scripts" / "gpu_gate.sh"
 STAGES = ("build", "cpp", "python", "bench", "presets", "titan", "sanitize")
 
 
-def gate(script: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GATE_DIR=str(tmp_path / "gate"), OUT=str(tmp_path / "out"))
+def gate(script: Path, tmp_path: Path, *args: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GATE_DIR=str(tmp_path / "gate"), OUT=str(tmp_path / "out"), **env_vars)
     return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -93,6 +94,57 @@ def test_stages_side_by_side_each_report_their_result(tmp_path):
     assert "build not run, cpp PASS, python FAIL" in out.stdout
     for stage in ("cpp", "python"):
         assert f"ran {stage}" in (tmp_path / "out" / f"gate_stage_{stage}.txt").read_text()
+
+
+def test_first_and_second_run_every_stage_once_and_end_with_the_verdict(tmp_path):
+    out = gate(stand_in_gate(tmp_path, {}), tmp_path, "first", "second")
+    assert out.returncode == 0, out.stdout + out.stderr
+    ran = sorted(re.findall(r"ran (\w+)", out.stdout + "".join(
+        p.read_text() for p in (tmp_path / "out").glob("gate_stage_*.txt"))))
+    assert ran == sorted(STAGES), ran
+    assert out.stdout.splitlines()[-len(STAGES) - 1].startswith("GPU GATE PASS: build PASS")
+
+
+def test_gate_only_runs_and_judges_the_stages_it_names(tmp_path):
+    out = gate(stand_in_gate(tmp_path, {}), tmp_path, "first", "second", GATE_ONLY="build titan")
+    assert out.returncode == 0, out.stdout + out.stderr
+    ran = re.findall(r"ran (\w+)", out.stdout + "".join(
+        p.read_text() for p in (tmp_path / "out").glob("gate_stage_*.txt")))
+    assert sorted(ran) == ["build", "titan"], ran
+    assert "GPU GATE PASS (only the stages GATE_ONLY names): build PASS, titan PASS [" in out.stdout
+    bad = gate(stand_in_gate(tmp_path / "b", {}), tmp_path, "verdict", GATE_ONLY="build nope")
+    assert bad.returncode == 2 and "GATE_ONLY: 'nope' is no stage" in bad.stderr
+
+
+def test_touched_names_the_stages_a_change_touches(tmp_path):
+    """A copy of the repository's files in a git repository of its own: each change since its
+    first commit touches the stages the script's table gives it."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "gpu_gate.sh").write_text(GATE.read_text())
+    for f in ("docs/x.md", "python/tide/fsdp/a.py", "python/tide/bench/b.py", "tests/python/test_a.py",
+              "tests/python/torchtitan_cpu.py", "tests/gpu/t.cpp", "src/a.cpp"):
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_text("0\n")
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "base", "--allow-empty")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "files")
+    base = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    script = repo / "scripts" / "gpu_gate.sh"
+    for changed, stages in [((), ""), (("docs/x.md",), ""),
+                            (("tests/python/test_a.py",), "build python"),
+                            (("tests/python/torchtitan_cpu.py",), "build titan"),
+                            (("python/tide/bench/b.py",), "build python bench presets"),
+                            (("python/tide/fsdp/a.py", "tests/gpu/t.cpp"), "build cpp python bench presets titan sanitize"),
+                            (("src/a.cpp",), " ".join(STAGES))]:
+        git("checkout", "-q", base, "--", ".")
+        for f in changed:
+            (repo / f).write_text("1\n")
+        out = gate(script, tmp_path, "touched", base)
+        assert out.returncode == 0 and out.stdout.strip() == stages, (changed, out.stdout, out.stderr)
+    assert gate(script, tmp_path, "touched", "no-such-commit").returncode == 2
 
 
 def fake_torchtitan(folder: Path) -> Path:
