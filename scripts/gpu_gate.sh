@@ -13,9 +13,10 @@
 #            the CLI tests
 #   bench    tide-bench fsdp with its defaults, the README's command: stock FSDP2 vs TIDE (on one GPU:
 #            2 ranks sharing it)
-#   presets  tide-bench fsdp --cuda-graphs --compute-only on every GPU preset (8b-layers, 70b-layers,
-#            qwen3-moe-layers, wan-layers): every group handled, captured vs run by run bitwise, no
-#            collective called from Python in the timed captured steps, a compute-only column
+#   presets  tide-bench fsdp --cuda-graphs --compute-only --mps on every GPU preset (8b-layers,
+#            70b-layers, qwen3-moe-layers, wan-layers): every group handled, captured vs run by run
+#            bitwise, no collective called from Python in the timed captured steps, a compute-only
+#            column, the ranks under a private MPS server
 #   titan    torchtitan's own trainer with --module tide.torchtitan on this GPU, 2 ranks sharing it:
 #            captured (its default) with validation vs --training.disable_cuda_graphs, training and
 #            validation losses bitwise (scripts/torchtitan_gpu.sh); needs build-titan/ with its
@@ -155,7 +156,7 @@ fsdp_runs() {
   # `tide-bench fsdp` runs, each "<label>:<check>:<flags...>", its JSON checked, recorded as stage
   # $1. check: stock (stock FSDP2 vs TIDE: no layout copies under TIDE, bitwise at W = 2),
   # cuda_graphs (TIDE run by run vs captured: every timed step a replay, no TIDE collective called
-  # from Python in them, bitwise), or floor (cuda_graphs and a compute-only column).
+  # from Python in them, bitwise), or floor (cuda_graphs, a compute-only column, ranks under MPS).
   local stage=$1 rc=0 checks=() run
   shift
   for run in "$@"; do
@@ -190,6 +191,9 @@ else:  # every timed step a replay: no TIDE collective called from Python (run b
             bad.append("no compute-only column")
         else:
             done += f" (compute-only {floor['step_ms']:.2f})"
+        mps = d.get("mps") or {}
+        if not mps.get("used"):  # the exposure a preset's run measures is the emulation's otherwise
+            bad.append(f"not under MPS: {mps.get('why') or 'no mps field in the JSON'}")
 if not t["tide_buckets"] or t["tide_fallbacks"]:
     bad.append(f"handled {t['tide_buckets']} groups, fallbacks {t['tide_fallbacks']}")
 if d["max_abs_diff"] != 0.0 and (d["world"] == 2 or mode != "stock"):
@@ -216,7 +220,7 @@ stage_presets() {
   # table is made of.
   local runs=() model
   for model in ${GATE_PRESETS:-8b-layers 70b-layers qwen3-moe-layers wan-layers}; do
-    runs+=("$model:floor:--model $model --cuda-graphs --compute-only")
+    runs+=("$model:floor:--model $model --cuda-graphs --compute-only --mps")
   done
   fsdp_runs presets "${runs[@]}"
 }

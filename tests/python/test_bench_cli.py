@@ -324,3 +324,62 @@ def test_the_rendezvous_port_is_held_from_before_the_ranks_start_until_they_end(
             torch.multiprocessing.start_processes(launch._spawned, args=(2, port, "cpu", _try_to_bind, (port,), out_dir),
                                                   nprocs=2, join=True, start_method="spawn")
             assert [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)] == [errno.EADDRINUSE] * 2
+
+
+def _fake_mps_control(folder, start_rc=0, server="4242"):
+    """A stand-in nvidia-cuda-mps-control on PATH: logs its arguments and standard input, starts
+    with exit status `start_rc`, lists `server` as its server."""
+    script = folder / "nvidia-cuda-mps-control"
+    script.write_text(f"""#!/bin/bash
+log={folder}/calls
+if [[ "$1" == -d ]]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >>$log; [[ -d "$CUDA_MPS_PIPE_DIRECTORY" ]] || exit 9; exit {start_rc}; fi
+read -r cmd; echo "$cmd" >>$log
+[[ "$cmd" == get_server_list ]] && echo "{server}"
+exit 0
+""")
+    script.chmod(0o755)
+    return folder / "calls"
+
+
+@pytest.mark.parametrize("start_rc, server, used, why", [
+    (0, "4242", True, ""),
+    (0, "", False, "no rank reached the server"),
+    (3, "", False, "nvidia-cuda-mps-control -d exited 3"),
+])
+def test_a_private_mps_server_serves_the_ranks_started_inside_and_quits_after(tmp_path, monkeypatch, start_rc,
+                                                                              server, used, why):
+    from tide.bench import mps
+
+    calls = _fake_mps_control(tmp_path, start_rc, server)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for k in mps.ENV:
+        monkeypatch.delenv(k, raising=False)
+    state = mps.MpsState(requested=True)
+    with mps.private_server(state):
+        inside = {k: os.environ.get(k) for k in mps.ENV}
+    assert all(os.environ.get(k) is None for k in mps.ENV)  # restored
+    assert state.used == used and why in state.why, state
+    log = calls.read_text().split("\n")
+    assert log[0].startswith("start ") and log[0].endswith("/pipe")
+    if start_rc == 0:
+        assert all(v and v.startswith(os.path.dirname(log[0][6:])) for v in inside.values()), inside
+        assert log[1:3] == ["get_server_list", "quit"], log  # the server is told to quit after the ranks
+    assert not os.path.exists(os.path.dirname(log[0][6:]))  # its folder is gone
+    assert ("private MPS server (pid 4242)" in state.describe()) == used
+
+
+def test_mps_without_the_control_program_says_so(tmp_path, monkeypatch):
+    from tide.bench import mps
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    state = mps.MpsState(requested=True)
+    with mps.private_server(state):
+        assert not any(os.environ.get(k) for k in mps.ENV)
+    assert not state.used and "nvidia-cuda-mps-control is not on PATH" in state.why
+    assert "time-slice" in state.describe()
+
+
+def test_mps_on_cpu_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fsdp", "--device", "cpu", "--mps"])
+    assert "--mps: device cpu: expected cuda" in capsys.readouterr().err

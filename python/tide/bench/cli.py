@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from . import report
+from . import mps, report
 from .launch import ranks_share_gpus, run_ranks, run_torchrun, under_torchrun
 from .model import PRESETS
 
@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="compare TIDE run by run with TIDE inside captured steps (forward + backward "
                         "in a CUDA graph, replayed, as torchtitan steps on GPUs) instead of stock FSDP2 "
                         "with TIDE")
+    f.add_argument("--mps", action="store_true",
+                   help="ranks sharing a GPU run as clients of a private MPS server (started before "
+                        "them, stopped after): their kernels then run side by side as on separate "
+                        "GPUs, instead of time-slicing the GPU, which inflates waits for peers")
     f.add_argument("--compute-only", action="store_true",
                    help="also run a compute-only reference: stock FSDP2's same steps with collectives "
                         "that move nothing (each group's first all-gather is real and its unsharded "
@@ -166,6 +170,11 @@ def _fsdp(args, parser, device) -> int:
         if args.compute_only:  # torchao's pre-all-gather hook computes the fp8 weight and its scale
             parser.error("--compute-only with --float8: float8 weights are cast and scaled in FSDP2's "
                          "all-gather, which the compute-only reference does not run")
+    if args.mps:
+        if device != "cuda":
+            parser.error(f"--mps: device {device}: expected cuda (an MPS server serves GPU ranks)")
+        if under_torchrun():
+            parser.error("--mps under torchrun: torchrun started the ranks; start an MPS server before it")
     if not under_torchrun():
         _refuse_fallback_configuration(args, parser, device)
     _require_matplotlib(args, parser)
@@ -181,9 +190,15 @@ def _fsdp(args, parser, device) -> int:
     modes = ("tide", "tide-captured") if args.cuda_graphs else ("stock", "tide")
     if args.compute_only:
         modes += ("compute-only",)
-    runs = {mode: _launch(args, device, run_mode, mode, cfg, opts) for mode in modes}
+    mps_state = mps.MpsState(requested=args.mps)
+    if args.mps and not ranks_share_gpus(device, args.world):
+        mps_state.requested, mps_state.why = False, "each rank has a GPU of its own"
+    with mps.private_server(mps_state):
+        runs = {mode: _launch(args, device, run_mode, mode, cfg, opts) for mode in modes}
     if runs[modes[0]] is None:  # a torchrun rank other than 0
         return 0
+    if device == "cuda" and ranks_share_gpus(device, args.world):
+        print(f"tide-bench fsdp: {mps_state.describe()}", file=sys.stderr)
 
     def merged(runs):
         out = {}
@@ -212,7 +227,8 @@ def _fsdp(args, parser, device) -> int:
                "mp": mp, "float8": args.float8, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
                "ranks_per_node": args.ranks_per_node, "transport": args.transport,
                "chunk_mib": args.chunk_mib, "wire_dtype": args.wire_dtype,
-               "max_abs_diff": compare(runs[modes[0]], runs[modes[1]]), "torch": torch.__version__}
+               "max_abs_diff": compare(runs[modes[0]], runs[modes[1]]), "torch": torch.__version__,
+               "mps": dataclasses.asdict(mps_state)}
     for mode in modes:  # "stock", "tide", "tide_captured", "compute_only"
         summary[mode.replace("-", "_")] = merged(runs[mode])
     print(report.fsdp_graphs_table(summary) if args.cuda_graphs else report.fsdp_table(summary))
