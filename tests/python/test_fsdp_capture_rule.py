@@ -1,8 +1,9 @@
 """A captured window belongs to its graphs (docs/DESIGN.md section 4), tried with what training
 loops do around a captured model: a reference model beside the trained one (both roots under one
 tide.fsdp.enable, so they lease from one pool), a module used only in evaluation, the graph torn
-down and the model gathered at once, a capture that aborts, and torchtitan's chunked loss (the
-head unshard()ed across its chunks). Each scenario runs run by run and captured, TIDE in both,
+down and the model gathered at once, a capture that aborts, torchtitan's chunked loss (the head
+unshard()ed across its chunks), and torchtitan's order of steps (a warm-up, a validation, then the
+capture; its units, the last kept unsharded after forward). Each scenario runs run by run and captured, TIDE in both,
 and must be exact: losses, evaluations and parameters bitwise, and TIDE's all-gathers and
 reduce-scatters equal, step by step and between steps (a replay counts none: its step's
 collectives are counted once, at capture).
@@ -36,7 +37,7 @@ from tide.fsdp import _capture, _pool
 # aborted_capture last: torch's CUDA generator stays in its capture state after a capture that
 # raised (any later CUDA random number raises), and every scenario builds its model with one.
 SCENARIOS = ("reference_model", "reference_model_before_too", "eval_only_module", "teardown_then_gather",
-             "chunked_loss", "aborted_capture")
+             "chunked_loss", "validation_before_capture", "aborted_capture")
 STEPS = 8  # a warm-up, a capture and >= 5 replays
 CAPTURE_STEP = 1
 FAKE_CAPTURE = 77  # the CPU stand-in for a CUDA capture id
@@ -67,8 +68,12 @@ def _build(scenario: str, device):
     for root in (parent.model, getattr(parent, "reference", None)):
         if root is None:
             continue
+        if scenario == "validation_before_capture":  # torchtitan's units: the last kept unsharded after forward
+            fully_shard(root.embed)
         for layer in root.layers:
             fully_shard(layer)
+        if scenario == "validation_before_capture":
+            fully_shard([root.norm, root.head], reshard_after_forward=False)
         if scenario == "chunked_loss":
             fully_shard(root.head)
         if scenario == "eval_only_module":
@@ -260,6 +265,10 @@ def scenario(rank: int, world: int, device, name: str, captured: bool) -> dict:
             for m in units:
                 m.reshard()
             steps.captured = False  # run by run from here on
+        elif name == "validation_before_capture" and i in (0, STEPS - 1):  # torchtitan's first, after the warm-up
+            # (validations between replays: test_fsdp_cuda_graphs_between.py; on CPU, where
+            # nothing replays, a step after the capture runs uncaptured on the captured windows)
+            out["evals"].append(_evaluate(cfg, model, eval_gen, device, _next_token))
         elif name == "aborted_capture" and i >= CAPTURE_STEP:
             out["evals"].append(_evaluate(cfg, model, eval_gen, device, _next_token))
 
@@ -314,6 +323,16 @@ def check(runs, name: str, replays: bool) -> None:
             expected[CAPTURE_STEP + 1:last + 1] = [(0, 0)] * (last - CAPTURE_STEP)
         if name == "aborted_capture":  # run by run does not run the failed step; captured, it ran to the raise
             expected[CAPTURE_STEP] = mine["step_counts"][CAPTURE_STEP]
+        if name == "validation_before_capture":
+            # Run by run, a step after a validation gathers once less (the [norm, head] unit the
+            # validation left unsharded) and nothing more: its backward prefetches no unit by the
+            # validation's forwards (FSDP2's record of them, whose backward never comes, would
+            # have it gather [norm, head] again after its backward, for nothing).
+            first = eager["step_counts"][0]
+            after_validation = [(first[0] - 1, first[1]) if i == 1 else first for i in range(STEPS)]
+            assert eager["step_counts"] == after_validation, (where, eager["step_counts"])
+            # Captured, the capture gathers that unit again: the graph reads it from its own all-gather.
+            expected[CAPTURE_STEP] = (first[0], first[1])
         assert mine["step_counts"] == expected, (where, eager["step_counts"], mine["step_counts"])
         for key in ("losses", "evals", "params"):
             assert len(eager[key]) == len(mine[key]), (where, key, len(eager[key]), len(mine[key]))

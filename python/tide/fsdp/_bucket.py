@@ -8,6 +8,8 @@ import math
 import json
 from typing import Callable, NamedTuple
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -148,6 +150,7 @@ class Bucket:
         self.pool = pool
         self.cuda = pool.device.type == "cuda"
         self.lease = WindowLease(pool, self.counts)
+        self.lease.reshard_stale = weakref.WeakMethod(self.reshard_stale)  # weakly: no cycle
 
     def _ensure_param_outputs(self) -> None:
         # One tensor per param over the bucket's fixed address, each with its own storage starting at
@@ -209,6 +212,18 @@ class Bucket:
             return
         if self.gathered_in != _capture.current_capture(self.pool.device):
             _fsdp2.to_sharded(param_group)
+
+    def reshard_stale(self, capture: int) -> bool:
+        """Whether the group gave its window back: FSDP2 keeps it unsharded, idle, since before
+        capture `capture` (gathered outside it), with no backward of a forward with autograd on to
+        come. Its parameters are stale to the capture anyway (before_unshard)."""
+        param_group = self.param_group
+        if self.gathered_in == capture or not _fsdp2.is_idle(param_group) or not _fsdp2.is_unsharded(param_group) \
+                or _fsdp2.all_gather_in_flight(param_group) \
+                or (_fsdp2.backward_pending(param_group) and not self.no_grad_forwards_only()):
+            return False
+        _fsdp2.to_sharded(param_group)
+        return True
 
     def before_replay(self) -> None:
         """Before a CUDA graph replays (any graph: which windows a replay writes is not known on

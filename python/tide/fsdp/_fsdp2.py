@@ -195,6 +195,22 @@ def forget_forwards(param_group) -> None:
     param_group._post_forward_indices.clear()
 
 
+def recorded_forward_groups(param_group) -> list:
+    """The groups of the group's FSDP tree whose forwards FSDP2 recorded since the tree's last
+    backward, once per group: the order its backward prefetches by (``post_forward_order``)."""
+    order = getattr(getattr(param_group, "comm_ctx", None), "post_forward_order", None) or []
+    return list({id(g): g for g in order}.values())
+
+
+def forget_recorded_forwards(param_group) -> None:
+    """Drops every record of forwards in the group's FSDP tree since its last backward (what the
+    root's post-backward callback clears when the backward ends)."""
+    order = param_group.comm_ctx.post_forward_order
+    for g in order:
+        g._post_forward_indices.clear()
+    order.clear()
+
+
 def gradient_reduction_pending(param_group) -> bool:
     """torch >= 2.15: the group's FSDP tree finalized a backward asynchronously and the handle
     ``finalize_backward(async_op=True)`` returned has not been waited on (FSDP2 keeps it in the

@@ -115,6 +115,9 @@ class WindowPool:
         # Vacated windows (their params were freed) -> the lease that vacated them: free at the
         # next acquire, until then their lease may take them back (_window.WindowLease).
         self.pending: dict[PooledWindow, object] = {}
+        # The leases of this pool's buckets, in the order they were made (the same on every rank),
+        # held weakly (PooledWindow.record says why).
+        self.leases: list[weakref.ref] = []
         self.stats_enabled = False
         # The pool whose of_size made this one (None: itself), held weakly: windows must go by
         # reference counting alone (PooledWindow.record says why).
@@ -140,6 +143,8 @@ class WindowPool:
             # before making another window.
             self.forget_ended_captures()
             window = self._last_free(lease, capture)
+        if window is None and capture:
+            window = self._reclaim_stale(lease, capture)
         if window is not None:
             self.free.remove(window)
             return window
@@ -169,6 +174,24 @@ class WindowPool:
     @property
     def root(self) -> "WindowPool":
         return self._root() if self._root is not None else self
+
+    def _reclaim_stale(self, lease: object, capture: int) -> PooledWindow | None:
+        """During capture `capture`, with no window free: windows held by groups that FSDP2 keeps
+        unsharded since before the capture, idle (an evaluation's, reshard_after_forward=False
+        between steps, unshard()), go back to the pool until one is free for `lease`. Their
+        parameters are not this capture's (Bucket.before_unshard reshards such a group when the
+        capture uses it), and the step the capture records needs the windows it needed
+        uncaptured. Every rank holds the same leases in the same order and reclaims alike."""
+        for ref in self.leases:
+            other = ref()
+            reshard = other.reshard_stale() if other is not None and other is not lease and other.reshard_stale else None
+            if reshard is None or not reshard(capture):
+                continue
+            self.release_pending()
+            window = self._last_free(lease, capture)
+            if window is not None:
+                return window
+        return None
 
     def _last_free(self, lease: object, capture: int) -> PooledWindow | None:
         return next((w for w in reversed(self.free) if w.available_to(lease, capture)), None)

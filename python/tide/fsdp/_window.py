@@ -4,6 +4,8 @@ reduce-scatter's staging window (or another window staged in), released to the p
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import _tide
@@ -35,6 +37,10 @@ class WindowLease:
         # windows (PooledWindow.captures): while one lives, the graph's replays write the window
         # mapped here, so the address must keep mapping it.
         self.captures: set[int] = set()
+        # The bucket's Bucket.reshard_stale, weakly (weakref.WeakMethod): gives the window back
+        # where FSDP2 keeps the group unsharded since before a capture, idle (WindowPool._reclaim_stale).
+        self.reshard_stale = None
+        pool.leases.append(weakref.ref(self))
 
     def record(self, window: PooledWindow, capture: int) -> None:
         """Capture `capture` recorded a program of this lease on `window`: the window is the
