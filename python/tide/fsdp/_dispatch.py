@@ -133,20 +133,21 @@ def unshard(self: _fsdp2.FSDPParamGroup, *args: object, **kwargs: object) -> Non
     trusted (Bucket.before_unshard)."""
     bucket = _bucket_of(self.fsdp_params)
     if bucket is not None:
-        _forget_evaluations(self)
+        _forget_evaluations(self, bucket)
         bucket.before_unshard()
     return _hooks.stock("unshard")(self, *args, **kwargs)
 
 
-def _forget_evaluations(param_group: _fsdp2.FSDPParamGroup) -> None:
+def _forget_evaluations(param_group: _fsdp2.FSDPParamGroup, bucket: Bucket) -> None:
     """Where a forward with autograd on begins: FSDP2 records forwards under torch.no_grad too (an
     evaluation), in the order its next backward prefetches by, and clears the record only when a
     backward ends. After an evaluation, that backward's last group then prefetches the group the
     evaluation recorded last, whose own backward has run: an all-gather that nothing reads, which
     a CUDA graph captured there would record and every replay repeat. The record goes
     when every group in it is TIDE's and ran only forwards under torch.no_grad since its last
-    backward; one that may hold a forward with autograd on stays (its backward will come)."""
-    if not (_fsdp2.in_forward(param_group) and torch.is_grad_enabled()):
+    backward; one that may hold a forward with autograd on stays (its backward will come). Only
+    a group with such a record looks (a step after no evaluation costs nothing here)."""
+    if not (_fsdp2.in_forward(param_group) and torch.is_grad_enabled() and bucket.no_grad_forwards_only()):
         return
     recorded = _fsdp2.recorded_forward_groups(param_group)
     if recorded and all((b := _bucket_of(g.fsdp_params)) is not None and b.no_grad_forwards_only()
