@@ -30,9 +30,9 @@
 #                                       $OUT/gate_stage_<name>.txt), then their results
 #   scripts/gpu_gate.sh verdict         the verdict line over the stages run so far
 #   scripts/gpu_gate.sh digest          the sources digest the verdict line names
-#   scripts/gpu_gate.sh touched BASE    (where git is) the stages a change since commit BASE touches;
-#                                       GATE_ONLY="$(scripts/gpu_gate.sh touched BASE)" then limits
-#                                       first, second and the verdict to them
+#   scripts/gpu_gate.sh touched BASE    (where git is) the stages a change since commit BASE touches
+#                                       (none: nothing to run); GATE_ONLY="$(scripts/gpu_gate.sh
+#                                       touched BASE)" then limits first, second and the verdict to them
 #
 # Stages record their result and the sources digest in $GATE_DIR (default build-gate/), so the
 # gate can run as several invocations on the same machine; the verdict line counts a stage that has
@@ -57,6 +57,7 @@ FIRST=(build python+titan+cpp sanitize)
 SECOND=(presets bench verdict)
 # GATE_ONLY: the stages to run (and judge) of those; default all.
 read -ra ONLY <<<"${GATE_ONLY:-${STAGES[*]}}"
+((${#ONLY[@]})) || { echo "GATE_ONLY: names no stage (unset it for every stage)" >&2; exit 2; }
 PY=${PYTHON:-python3}
 say() { echo "== gate: $*"; }
 record() { printf '%s\n%s\n' "$2" "$DIGEST" >"$GATE_DIR/$1"; say "$1: $2"; }
@@ -191,9 +192,9 @@ else:  # every timed step a replay: no TIDE collective called from Python (run b
             bad.append("no compute-only column")
         else:
             done += f" (compute-only {floor['step_ms']:.2f})"
-        mps = d.get("mps") or {}
-        if not mps.get("used"):  # the exposure a preset's run measures is the emulation's otherwise
-            bad.append(f"not under MPS: {mps.get('why') or 'no mps field in the JSON'}")
+        mps = d.get("mps")  # ranks sharing a GPU: under MPS, else the exposure is the emulation's
+        if mps is None or (mps["requested"] and not mps["used"]):
+            bad.append(f"not under MPS: {(mps or {}).get('why') or 'no mps field in the JSON'}")
 if not t["tide_buckets"] or t["tide_fallbacks"]:
     bad.append(f"handled {t['tide_buckets']} groups, fallbacks {t['tide_fallbacks']}")
 if d["max_abs_diff"] != 0.0 and (d["world"] == 2 or mode != "stock"):
@@ -298,9 +299,9 @@ touched() {
     case $f in
       src/* | include/* | CMakeLists.txt | pyproject.toml | scripts/gpu_gate.sh | scripts/gpu_suite.sh) add "${STAGES[@]}" ;;
       bench/*) add build cpp ;;
-      tests/gpu/*) add build cpp sanitize ;;
-      python/tide/bench/*) add build python bench presets ;;
+      tests/gpu/* | testing/* | tests/CMakeLists.txt) add build cpp sanitize ;;
       python/*) add build python bench presets titan ;;
+      scripts/torchtitan_wrapper.sh) add build python titan ;;
       scripts/torchtitan_gpu.sh | tests/python/torchtitan_*) add build titan ;;
       tests/python/*) add build python ;;
     esac

@@ -114,6 +114,8 @@ def test_gate_only_runs_and_judges_the_stages_it_names(tmp_path):
     assert "GPU GATE PASS (only the stages GATE_ONLY names): build PASS, titan PASS [" in out.stdout
     bad = gate(stand_in_gate(tmp_path / "b", {}), tmp_path, "verdict", GATE_ONLY="build nope")
     assert bad.returncode == 2 and "GATE_ONLY: 'nope' is no stage" in bad.stderr
+    blank = gate(stand_in_gate(tmp_path / "c", {}), tmp_path, "verdict", GATE_ONLY=" ")
+    assert blank.returncode == 2 and "names no stage" in blank.stderr
 
 
 def test_touched_names_the_stages_a_change_touches(tmp_path):
@@ -136,7 +138,7 @@ def test_touched_names_the_stages_a_change_touches(tmp_path):
     for changed, stages in [((), ""), (("docs/x.md",), ""),
                             (("tests/python/test_a.py",), "build python"),
                             (("tests/python/torchtitan_cpu.py",), "build titan"),
-                            (("python/tide/bench/b.py",), "build python bench presets"),
+                            (("python/tide/bench/b.py",), "build python bench presets titan"),
                             (("python/tide/fsdp/a.py", "tests/gpu/t.cpp"), "build cpp python bench presets titan sanitize"),
                             (("src/a.cpp",), " ".join(STAGES))]:
         git("checkout", "-q", base, "--", ".")

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 
@@ -37,9 +38,22 @@ class MpsState:
         return f"--mps: no MPS server: {self.why}; ranks sharing a GPU time-slice it"
 
 
-def _control(command: str, env: dict, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([CONTROL], input=command + "\n", env=env, capture_output=True, text=True,
-                          timeout=timeout)
+def _control(command: str, env: dict, timeout: float = 30) -> str | None:
+    """What the daemon answers `command`; None when it did not answer within `timeout` s."""
+    try:
+        return subprocess.run([CONTROL], input=command + "\n", env=env, capture_output=True, text=True,
+                              timeout=timeout).stdout
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _stop(env: dict) -> None:
+    """Tells the daemon to quit; one that does not answer is ended through its pid file."""
+    if _control("quit", env) is not None:
+        return
+    pid_file = os.path.join(env["CUDA_MPS_PIPE_DIRECTORY"], "nvidia-cuda-mps-control.pid")
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(open(pid_file).read().strip()), signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -64,9 +78,16 @@ def private_server(state: MpsState):
     os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
     os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
     try:
-        started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
-        if started.returncode != 0:
-            state.why = f"{CONTROL} -d exited {started.returncode}: {(started.stderr or started.stdout).strip()}"
+        # The daemon's output to a file: a pipe would stay open in the daemon it forks.
+        out_path = os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "start.out")
+        with open(out_path, "w") as out:
+            try:
+                code = subprocess.run([control, "-d"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, timeout=30).returncode
+            except subprocess.TimeoutExpired:
+                code = "timed out after 30 s"
+        if code != 0:
+            state.why = f"{CONTROL} -d exited {code}: {open(out_path).read().strip()}"
             yield state
             return
         saved = {k: os.environ.get(k) for k in ENV}
@@ -75,7 +96,7 @@ def private_server(state: MpsState):
             yield state
             # Whether the ranks were its clients: the daemon lists the server it started for them
             # (until told to quit) and logs each client it took.
-            servers = _control("get_server_list", env).stdout.split()
+            servers = (_control("get_server_list", env) or "").split()
             path = os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "control.log")
             log = open(path).read() if os.path.exists(path) else ""
             if (servers and servers[0].isdigit()) or "new client" in log.lower():
@@ -89,6 +110,6 @@ def private_server(state: MpsState):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-            _control("quit", env)
+            _stop(env)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -134,6 +134,10 @@ class WindowPool:
         list, records and preference, so every rank takes the same window. A new one is refused
         during a CUDA graph capture (`capture`, for group `path`)."""
         self.release_pending()
+        if capture and prefer is not None and prefer not in self.free:
+            # A capture maps no other window at the group's address: the one mapped there, back
+            # from a group that holds it since before the capture.
+            self._reclaim_stale(lease, capture, prefer)
         if prefer is not None and prefer in self.free and prefer.available_to(lease, capture):
             self.free.remove(prefer)
             return prefer
@@ -175,20 +179,24 @@ class WindowPool:
     def root(self) -> "WindowPool":
         return self._root() if self._root is not None else self
 
-    def _reclaim_stale(self, lease: object, capture: int) -> PooledWindow | None:
-        """During capture `capture`, with no window free: windows held by groups that FSDP2 keeps
-        unsharded since before the capture, idle (an evaluation's, reshard_after_forward=False
-        between steps, unshard()), go back to the pool until one is free for `lease`. Their
-        parameters are not this capture's (Bucket.before_unshard reshards such a group when the
-        capture uses it), and the step the capture records needs the windows it needed
-        uncaptured. Every rank holds the same leases in the same order and reclaims alike."""
+    def _reclaim_stale(self, lease: object, capture: int, wanted: PooledWindow | None = None) -> PooledWindow | None:
+        """During capture `capture`: windows held by groups that FSDP2 keeps unsharded since
+        before the capture, idle (an evaluation's, reshard_after_forward=False between steps,
+        unshard()), go back to the pool: the one holding `wanted`, else (no window free) one
+        after another until a window is free for `lease`. Their parameters are not this
+        capture's (Bucket.before_unshard reshards such a group where the capture uses it), and
+        the step the capture records needs the windows it needed uncaptured. Every rank holds the
+        same leases in the same order and reclaims alike."""
         for ref in self.leases:
             other = ref()
-            reshard = other.reshard_stale() if other is not None and other is not lease and other.reshard_stale else None
+            if other is None or other is lease or other.reshard_stale is None or other.window is None \
+                    or other.vacated or (wanted is not None and other.window is not wanted):
+                continue
+            reshard = other.reshard_stale()
             if reshard is None or not reshard(capture):
                 continue
             self.release_pending()
-            window = self._last_free(lease, capture)
+            window = wanted if wanted is not None and wanted in self.free else self._last_free(lease, capture)
             if window is not None:
                 return window
         return None
