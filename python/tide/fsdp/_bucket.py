@@ -6,9 +6,8 @@ from __future__ import annotations
 import contextlib
 import math
 import json
-from typing import Callable, NamedTuple
-
 import weakref
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
