@@ -218,22 +218,51 @@ echo "== multi_gpu.sh: N = $GPUS GPUs (one rank each), runs: ${SELECTED[*]}$($DR
   echo "environment: NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS"
 } | if $DRY; then cat; else tee "$OUT/machine.txt"; fi
 
-# 1. tide-bench fsdp, one rank per GPU: stock FSDP2 over NCCL vs TIDE, then TIDE run by run vs
-#    TIDE captured; each beside the compute-only reference.
+# 1. tide-bench fsdp, one rank per GPU, one invocation per preset and size: stock FSDP2 over NCCL
+#    and TIDE, each run by run and captured, and the compute-only reference (captured); at the
+#    presets' defaults and at 8K tokens per GPU. Each JSON's row goes into OUT/fsdp-exposure.md
+#    (python -m tide.bench.report exposure); the dry run reads a CPU run's JSON with that reader,
+#    so a field it reads that tide-bench no longer writes fails it.
 if selected fsdp; then
   echo "== 1. tide-bench fsdp at W = $GPUS"
   need_bench_flags fsdp --device --world --model --expert-shard-dim --cuda-graphs --compute-only \
-    --json --no-progress
+    --seq --batch --json --no-progress
+  jsons=()
   for model in 8b-layers 70b-layers qwen3-moe-layers wan-layers; do
     extra=()
     [[ $model == qwen3-moe-layers ]] && extra=(--expert-shard-dim 1)
-    common=(--device cuda --world "$GPUS" --model "$model" "${extra[@]}" --compute-only --no-progress)
-    step "fsdp-$model" "${BENCH[@]}" fsdp "${common[@]}" --json "$OUT/fsdp-$model.json"
-    step "fsdp-$model-captured" "${BENCH[@]}" fsdp "${common[@]}" --cuda-graphs \
-      --json "$OUT/fsdp-$model-captured.json"
+    for size in default 8k; do
+      tokens=()
+      [[ $size == 8k ]] && tokens=(--seq 2048 --batch 4)
+      step "fsdp-$model-$size" "${BENCH[@]}" fsdp --device cuda --world "$GPUS" --model "$model" \
+        "${extra[@]}" "${tokens[@]}" --cuda-graphs --compute-only --no-progress \
+        --json "$OUT/fsdp-$model-$size.json"
+      [[ -f $OUT/fsdp-$model-$size.json ]] && jsons+=("$OUT/fsdp-$model-$size.json")
+    done
   done
-  not_implemented fsdp "stock FSDP2 captured: tide-bench fsdp --cuda-graphs compares TIDE run by run" \
-    "with TIDE captured; no mode captures stock FSDP2's steps"
+  if $DRY; then  # the reader against a real JSON: a CPU run's (stock, TIDE, compute-only)
+    scratch=$(mktemp -d)
+    if ! (cd /tmp && "$PY" -m tide.bench.cli fsdp --device cpu --world 2 --model tiny --steps 1 \
+            --warmup 0 --compute-only --no-progress --json "$scratch/cpu.json") >"$scratch/cpu.log" 2>&1; then
+      echo "  CHECK FAILED: the CPU run whose JSON the reader is checked on: $(tail -3 "$scratch/cpu.log")"
+      MISSING=$((MISSING + 1))
+    # (and the modes a real run must hold are modes tide-bench knows: no JSON needed for that)
+    elif ! "$PY" -m tide.bench.report exposure --expect stock,tide,compute_only "$scratch/cpu.json" >/dev/null ||
+         ! "$PY" -c "from tide.bench.report import exposure_rows; exposure_rows([])"; then
+      echo "  CHECK FAILED: python -m tide.bench.report exposure does not read tide-bench fsdp's JSON"
+      MISSING=$((MISSING + 1))
+    else
+      echo "  checked: python -m tide.bench.report exposure reads a CPU run's JSON (the captured modes'" \
+        "fields are the same per mode)"
+    fi
+    rm -rf "$scratch"
+  elif ((${#jsons[@]})); then
+    if "$PY" -m tide.bench.report exposure "${jsons[@]}" >"$OUT/fsdp-exposure.md" 2>"$OUT/fsdp-exposure.err"; then
+      cat "$OUT/fsdp-exposure.md"; record "PASS fsdp-exposure: $OUT/fsdp-exposure.md"
+    else
+      record "FAIL fsdp-exposure: $(cat "$OUT/fsdp-exposure.err")"
+    fi
+  fi
 fi
 
 # 2. FSDP2 with symmetric memory (torchtitan's enable_fsdp_symm_mem) as a peer.

@@ -1,12 +1,14 @@
 """tide-bench: clear argument errors; a short CPU run whose JSON has every field and whose plots exist
 (and its compute-only reference); the MoE and DiT models, TIDE vs stock, with experts sharded on dim
 0 and on dim 1; the compute-only reference's collectives move nothing; spawned ranks end past the
-interpreter's finalization, and meet on a port held from before they start."""
+interpreter's finalization, and meet on a port held from before they start; multi_gpu.sh's reader of
+the JSON; stock's captured mode refused without NCCL."""
 
 import atexit
 import dataclasses
 import json
 import os
+import re
 import tempfile
 
 import pytest
@@ -254,6 +256,61 @@ def test_fsdp_cpu_compute_only_reference_has_its_column(tmp_path, capsys):
     assert reference["step_ms"] > 0 and reference["tide_buckets"] == 0
     assert 0 < reference["layout_copy_mib"] < data["stock"]["layout_copy_mib"], reference
     assert data["max_abs_diff"] == 0.0  # still TIDE against stock
+
+
+def test_exposure_rows_read_a_runs_json_and_name_what_it_lacks(tmp_path, capsys):
+    """scripts/multi_gpu.sh's reader (python -m tide.bench.report exposure) on a CPU run's JSON: a
+    row with each mode's step time; a mode or field the JSON lacks, or a mode tide-bench does not
+    know, is an error naming it. And the --cuda-graphs table with stock's captured column, from the
+    same run's figures."""
+    from tide.bench import report
+
+    data = _fsdp_json(tmp_path, "--model", "tiny", "--layers", "1", "--compute-only")
+    path = str(tmp_path / "fsdp.json")
+    row = report.exposure_rows([path], ("stock", "tide", "compute_only")).splitlines()[-1]
+    assert row.startswith(f"| tiny | 2 | {data['batch'] * 16} | {data['stock']['step_ms']:.2f} | "
+                          f"{data['tide']['step_ms']:.2f} | "), row
+    assert row.endswith(" | tide_vs_stock 0.0e+00 |"), row
+    assert report.main(["exposure", "--expect", "stock,tide", path]) == 0
+    with pytest.raises(ValueError, match=r"mode 'stock_captured' absent \(modes there: \['stock', 'tide', "
+                                         r"'compute_only'\]\)"):
+        report.exposure_rows([path])
+    with pytest.raises(ValueError, match=r"modes \['tide_replayed'\]: expected some of"):
+        report.exposure_rows([path], ("tide", "tide_replayed"))
+    del data["tide"]["host_ms"]
+    (tmp_path / "fsdp.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"mode 'tide' has no fields \['host_ms'\]"):
+        report.exposure_rows([path], ("stock", "tide"))
+    assert report.main(["exposure", "--expect", "stock,tide", path]) == 1
+    assert "mode 'tide' has no fields ['host_ms']" in capsys.readouterr().err
+
+    data["tide"]["host_ms"] = data["stock"]["host_ms"] = 1.0  # (CPU: none)
+    summary = dict(data, tide_captured=data["tide"], stock_captured=data["stock"],
+                   max_abs_diffs={"tide_captured_vs_tide": 0.0, "stock_captured_vs_stock": 0.0,
+                                  "tide_vs_stock": 1e-6})
+    text = report.fsdp_graphs_table(summary)
+    header = text.splitlines()[1]
+    assert re.split(r"\s{2,}", header.strip()) == [
+        "TIDE run by run", "TIDE captured", "stock run by run", "stock captured", "compute only",
+        "TIDE captured/run"], header
+    assert "tide captured vs tide 0.000e+00 (bitwise equal), stock captured vs stock 0.000e+00 (bitwise " \
+           "equal), tide vs stock 1.000e-06" in text
+    assert "communication exposed per step (step time - compute-only step time): TIDE captured " in text
+    assert ", stock captured " in text
+
+
+def test_stock_captured_needs_nccl():
+    """Stock FSDP2's captured steps need NCCL: gloo's collectives (ranks sharing a GPU) cannot be
+    captured, and the mode says so instead of failing inside the capture."""
+    import torch.distributed as dist
+    from tide.bench import fsdp_bench
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="mode stock-captured: backend gloo: expected nccl"):
+            fsdp_bench.run_mode(0, 1, "stock-captured", PRESETS["tiny"], {"device": "cpu"})
+    finally:
+        dist.destroy_process_group()
 
 
 def _compute_only_rank(rank, world):

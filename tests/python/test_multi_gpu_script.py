@@ -1,5 +1,6 @@
 """scripts/multi_gpu.sh without a GPU: its dry run checks that every subcommand and flag it would
-use exists, prints every run of issue 58 (and says which are not implemented), writes nothing and
+use exists and that the reader of tide-bench's JSON reads what a CPU run writes, prints every
+run of issue 58 (and says which are not implemented), writes nothing and
 exits 0; bad arguments exit 2 naming the argument; a flag that does not exist fails the dry run."""
 
 import os
@@ -32,9 +33,11 @@ def test_dry_run_prints_every_run_and_runs_nothing(tmp_path):
     assert "CHECK FAILED" not in text
     assert all(m in text for m in MULTICAST_OFF), text
     for model in ("8b-layers", "70b-layers", "qwen3-moe-layers --expert-shard-dim 1", "wan-layers"):
+        # one invocation per size: stock and TIDE, run by run and captured, and compute-only
         fsdp = [c for c in cmds if f"tide.bench.cli fsdp --device cuda --world 8 --model {model} " in c]
-        assert len(fsdp) == 2 and "--cuda-graphs" in fsdp[1] and "--cuda-graphs" not in fsdp[0], (model, fsdp)
-        assert all("--compute-only" in c for c in fsdp)
+        assert len(fsdp) == 2 and all("--cuda-graphs --compute-only" in c for c in fsdp), (model, fsdp)
+        assert "--seq" not in fsdp[0] and "--seq 2048 --batch 4" in fsdp[1], fsdp
+    assert "checked: python -m tide.bench.report exposure reads a CPU run's JSON" in text
     titan = [c for c in cmds if "-m torchtitan.train" in c]
     assert len(titan) == 4 and all("--nproc_per_node 8" in c and "--training.steps 50" in c
                                    and "--validator.enable" in c for c in titan), titan

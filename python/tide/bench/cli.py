@@ -83,8 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                         "nodes (bf16 is lossy: each partial is rounded before it is sent)")
     f.add_argument("--cuda-graphs", action="store_true",
                    help="compare TIDE run by run with TIDE inside captured steps (forward + backward "
-                        "in a CUDA graph, replayed, as torchtitan steps on GPUs) instead of stock FSDP2 "
-                        "with TIDE")
+                        "in a CUDA graph, replayed, as torchtitan steps on GPUs); with a GPU per rank, "
+                        "stock FSDP2 over NCCL run by run and captured too (ranks sharing a GPU run "
+                        "stock over gloo, which cannot be captured: there, stock vs TIDE is the run "
+                        "without this flag)")
     f.add_argument("--mps", action="store_true",
                    help="ranks sharing a GPU run as clients of a private MPS server (started before "
                         "them, stopped after): their kernels then run side by side as on separate "
@@ -97,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
                         "the optimizer still steps every param). Its step time is the model's compute, "
                         "FSDP2's hooks and the optimizer: a mode's step time minus it is the "
                         "communication that mode leaves exposed. With --cuda-graphs its steps are captured "
-                        "too, and only TIDE's captured steps compare with it. Its memory and final "
+                        "too, and only the captured steps compare with it. Its memory and final "
                         "params compare with nothing")
     f.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (step-time breakdown, memory) here")
     f.add_argument("--no-progress", action="store_true")
@@ -187,7 +189,13 @@ def _fsdp(args, parser, device) -> int:
             "cuda_graphs": args.cuda_graphs}
     print(f"tide-bench fsdp: model {model_name} ({cfg.params() / 1e6:.1f} M params), device {device}, "
           f"mp {mp}, {args.world} ranks", file=sys.stderr)
-    modes = ("tide", "tide-captured") if args.cuda_graphs else ("stock", "tide")
+    # The pair compared first (max_abs_diff) leads: stock vs TIDE, or TIDE run by run vs captured.
+    if not args.cuda_graphs:
+        modes = ("stock", "tide")
+    elif ranks_share_gpus(device, args.world):
+        modes = ("tide", "tide-captured")
+    else:
+        modes = ("tide", "tide-captured", "stock", "stock-captured")
     if args.compute_only:
         modes += ("compute-only",)
     mps_state = mps.MpsState(requested=args.mps)
@@ -228,8 +236,12 @@ def _fsdp(args, parser, device) -> int:
                "ranks_per_node": args.ranks_per_node, "transport": args.transport,
                "chunk_mib": args.chunk_mib, "wire_dtype": args.wire_dtype,
                "max_abs_diff": compare(runs[modes[0]], runs[modes[1]]), "torch": torch.__version__,
-               "mps": dataclasses.asdict(mps_state)}
-    for mode in modes:  # "stock", "tide", "tide_captured", "compute_only"
+               "mps": dataclasses.asdict(mps_state), "modes": [m.replace("-", "_") for m in modes]}
+    if "stock-captured" in runs:  # every pair a user compares: "b_vs_a" is max |b - a|
+        summary["max_abs_diffs"] = {
+            f"{b}_vs_{a}".replace("-", "_"): compare(runs[a], runs[b])
+            for a, b in (("tide", "tide-captured"), ("stock", "stock-captured"), ("stock", "tide"))}
+    for mode in modes:  # "stock", "stock_captured", "tide", "tide_captured", "compute_only"
         summary[mode.replace("-", "_")] = merged(runs[mode])
     print(report.fsdp_graphs_table(summary) if args.cuda_graphs else report.fsdp_table(summary))
     if args.float8 and not args.cuda_graphs:

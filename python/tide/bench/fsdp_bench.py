@@ -286,19 +286,22 @@ def _progress(label: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-MODES = ("stock", "tide", "tide-captured", "compute-only")
+MODES = ("stock", "stock-captured", "tide", "tide-captured", "compute-only")
 
 
 def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
     """One rank's run of one mode of `cfg` (a model config from model.py): "stock" FSDP2, "tide"
-    run by run, "tide-captured" (forward + backward captured in a CUDA graph and replayed, as
-    torchtitan steps it; the optimizer outside), or "compute-only" (stock FSDP2 with collectives
-    that move nothing, see _collectives_moving_nothing; captured as "tide-captured" is when
-    opts["cuda_graphs"])."""
+    run by run, "tide-captured" or "stock-captured" (forward + backward captured in a CUDA graph
+    and replayed, as torchtitan steps it; the optimizer outside; stock only over NCCL), or
+    "compute-only" (stock FSDP2 with collectives that move nothing, see
+    _collectives_moving_nothing; captured as the others are when opts["cuda_graphs"])."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     device = opts["device"]
     shared_gpus = device == "cuda" and dist.get_backend() == "gloo"  # see launch.backend_for
+    if mode == "stock-captured" and dist.get_backend() != "nccl":
+        raise ValueError(f"mode stock-captured: backend {dist.get_backend()}: expected nccl (one GPU per "
+                         "rank); gloo's collectives cannot be captured in a CUDA graph")
     with contextlib.ExitStack() as stack:
         pss = stack.enter_context(PssSampler()) if device == "cpu" else None
         if shared_gpus:  # stock's groups; under TIDE, the groups that fall back (TIDE's own never use it)
@@ -313,8 +316,8 @@ def run_mode(rank: int, world: int, mode: str, cfg, opts: dict) -> dict:
 
 def _train(rank: int, mode: str, cfg, device: str, world: int, opts: dict) -> dict:
     # --float8: stock trains with fp8 all-gather off (the reference: gloo has no fp8), TIDE with it on.
-    fp8_all_gather = (mode != "stock") if opts.get("float8") else None
-    captured = mode == "tide-captured" or (mode == "compute-only" and opts.get("cuda_graphs"))
+    fp8_all_gather = (not mode.startswith("stock")) if opts.get("float8") else None
+    captured = mode.endswith("-captured") or (mode == "compute-only" and opts.get("cuda_graphs"))
     model = _build(cfg, device, opts["mp"], world, opts.get("expert_shard_dim", 0), fp8_all_gather)
     handle = None
     if mode.startswith("tide"):

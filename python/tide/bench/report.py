@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 
 
 def fsdp_table(summary: dict) -> str:
@@ -80,36 +81,44 @@ def exposed_communication(reference: dict, modes: list) -> str:
 
 
 def fsdp_graphs_table(summary: dict) -> str:
-    """tide-bench fsdp --cuda-graphs: TIDE run by run against TIDE inside captured steps (and the
-    compute-only reference, captured too, with --compute-only)."""
+    """tide-bench fsdp --cuda-graphs: TIDE run by run against TIDE inside captured steps; with a GPU
+    per rank, stock FSDP2 run by run and captured too; the compute-only reference, captured too,
+    with --compute-only."""
     e, c, r = summary["tide"], summary["tide_captured"], summary.get("compute_only")
+    s, sc = summary.get("stock"), summary.get("stock_captured")
     emulated = (" — SINGLE-GPU EMULATION (ranks share the GPU: HBM-bound, not NVLink-bound)"
                 if c.get("ranks_share_gpus") else "")
+    columns = [("TIDE run by run", e), ("TIDE captured", c)]
+    if s and sc:
+        columns += [("stock run by run", s), ("stock captured", sc)]
+    if r:
+        columns.append(("compute only", r))
     lines = [f"# tide-bench fsdp --cuda-graphs: {summary['model']}, W = {summary['world']}, "
              f"{summary['device']}, mp {summary['mp']}, median of {summary['steps']} steps after "
              f"{summary['warmup']} warm-up{emulated}",
-             f"{'':<34} {'TIDE run by run':>16} {'TIDE captured':>14} {'captured/run':>13}"
-             + (f" {'compute only':>13}" if r else "")]
+             f"{'':<34}" + "".join(f" {label:>17}" for label, _ in columns) + f" {'TIDE captured/run':>18}"]
 
-    def row(label, a, b, fmt, reference=None):
-        ratio = f"{b / a:.3f}" if a else "-"
-        lines.append(f"{label:<34} {fmt.format(a):>16} {fmt.format(b):>14} {ratio:>13}"
-                     + (f" {'-' if reference is None else fmt.format(reference):>13}" if r else ""))
+    def row(label, value, fmt):
+        values = [value(m) for _, m in columns]
+        ratio = f"{values[1] / values[0]:.3f}" if values[0] else "-"
+        lines.append(f"{label:<34}" + "".join(f" {'-' if v is None else fmt.format(v):>17}" for v in values)
+                     + f" {ratio:>18}")
 
-    row("step time (ms)", e["step_ms"], c["step_ms"], "{:.2f}", r and r["step_ms"])
-    row("host time per step (ms)", e["host_ms"], c["host_ms"], "{:.2f}", r and r["host_ms"])
-    row("peak memory + TIDE pool (MiB)", e["peak_memory_mib"] + e["tide_window_mib"],
-        c["peak_memory_mib"] + c["tide_window_mib"], "{:.1f}")
+    row("step time (ms)", lambda m: m["step_ms"], "{:.2f}")
+    row("host time per step (ms)", lambda m: m["host_ms"], "{:.2f}")
+    row("peak memory + TIDE pool (MiB)", lambda m: m["peak_memory_mib"] + m["tide_window_mib"], "{:.1f}")
     lines.append("host time: from the step's start until it returns (forward, backward, optimizer "
                  "issued), not waiting for the GPU; step time waits for it")
     lines.append(f"TIDE handled {c['tide_buckets']} of {c['param_groups']} param groups; "
                  f"{c['replays']} replays of one captured forward + backward per rank; TIDE "
                  f"collectives called from Python in the timed steps: {e['loop_collectives']} run by "
                  f"run, {c['loop_collectives']} captured")
-    lines.append(f"max |captured - run by run| over final parameters = {summary['max_abs_diff']:.3e}"
-                 + (" (bitwise equal)" if summary["max_abs_diff"] == 0 else ""))
+    diffs = summary.get("max_abs_diffs") or {"tide_captured_vs_tide": summary["max_abs_diff"]}
+    lines.append("max |difference| over final parameters: " + ", ".join(
+        f"{pair.replace('_vs_', ' vs ').replace('_', ' ')} {d:.3e}" + (" (bitwise equal)" if d == 0 else "")
+        for pair, d in diffs.items()))
     if r:  # the reference is captured: only captured steps compare with it
-        lines.append(exposed_communication(r, [("TIDE captured", c)]))
+        lines.append(exposed_communication(r, [("TIDE captured", c)] + ([("stock captured", sc)] if sc else [])))
     return "\n".join(lines)
 
 
@@ -240,3 +249,69 @@ def host_cost_table(results: list, shares_gpu: bool) -> str:
         f"TIDE remapped a bucket's fixed address {max(r['tide_remaps'] for r in results) / results[0]['steps']:.1f} "
         f"times per timed step ({results[0]['tide_all_gathers'] / results[0]['steps']:.0f} all-gathers; "
         "on CUDA each remap waits on the host for the params' last readers)"])
+
+
+# The modes scripts/multi_gpu.sh reads from each `tide-bench fsdp --cuda-graphs --compute-only`
+# JSON (one GPU per rank), and the fields it reads of each (merged per mode alike by tide-bench).
+EXPOSURE_MODES = ("stock", "stock_captured", "tide", "tide_captured", "compute_only")
+EXPOSURE_FIELDS = ("step_ms", "host_ms", "peak_memory_mib", "tide_window_mib")
+
+
+def exposure_rows(paths: list, expect: tuple = EXPOSURE_MODES) -> str:
+    """A Markdown row per `tide-bench fsdp` JSON: each expected mode's step time, the captured
+    modes' exposed communication (step - compute-only), host time and peak memory (TIDE's pool
+    included), and the runs' agreement. A JSON without an expected mode or field is an error
+    naming both: the script that reads it would otherwise print a row of nothing."""
+    from .fsdp_bench import MODES
+    unknown = [m for m in expect if m.replace("_", "-") not in MODES]
+    if unknown:
+        raise ValueError(f"modes {unknown}: expected some of {[m.replace('-', '_') for m in MODES]}")
+    lines = ["| model | W | tokens/GPU | " + " | ".join(f"{m} ms" for m in expect)
+             + " | exposed (ms) | host ms | peak MiB | max abs diffs |",
+             "|---" * (len(expect) + 7) + "|"]
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        for key in ("model", "world", "batch", "seq", "max_abs_diff"):
+            if key not in d:
+                raise ValueError(f"{path}: no field {key!r}")
+        for m in expect:
+            missing = [k for k in EXPOSURE_FIELDS if k not in d.get(m, {})]
+            if m not in d or missing:
+                raise ValueError(f"{path}: mode {m!r} " + (f"has no fields {missing}" if m in d else
+                                 f"absent (modes there: {d.get('modes')})"))
+        ref = d.get("compute_only")
+        exposed = ", ".join(f"{m} {d[m]['step_ms'] - ref['step_ms']:.2f}" for m in expect
+                            if m.endswith("_captured") and ref) or "-"
+        ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        host = ", ".join(f"{m} {ms(d[m]['host_ms'])}" for m in expect if m != "compute_only")
+        peak = ", ".join(f"{m} {d[m]['peak_memory_mib'] + d[m]['tide_window_mib']:.0f}" for m in expect)
+        first, second = (d.get("modes") or ["first", "second"])[:2]  # max_abs_diff's pair
+        diffs = d.get("max_abs_diffs") or {f"{second}_vs_{first}": d["max_abs_diff"]}
+        lines.append(f"| {d['model']} | {d['world']} | {d['batch'] * d['seq']} | "
+                     + " | ".join(ms(d[m]["step_ms"]) for m in expect)
+                     + f" | {exposed} | {host} | {peak} | "
+                     + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """python -m tide.bench.report exposure [--expect MODES] JSON...: exposure_rows's table."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m tide.bench.report")
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("exposure", help="a Markdown row per tide-bench fsdp JSON")
+    e.add_argument("--expect", default=",".join(EXPOSURE_MODES),
+                   help=f"comma-separated modes each JSON must hold (default: {','.join(EXPOSURE_MODES)})")
+    e.add_argument("json", nargs="+")
+    args = parser.parse_args(argv)
+    try:
+        print(exposure_rows(args.json, tuple(args.expect.split(","))))
+    except (OSError, ValueError) as err:
+        print(f"python -m tide.bench.report: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
