@@ -2,8 +2,9 @@
 loops do around a captured model: a reference model beside the trained one (both roots under one
 tide.fsdp.enable, so they lease from one pool), a module used only in evaluation, the graph torn
 down and the model gathered at once, a capture that aborts, torchtitan's chunked loss (the head
-unshard()ed across its chunks), and torchtitan's order of steps (a warm-up, a validation, then the
-capture; its units, the last kept unsharded after forward). Each scenario runs run by run and captured, TIDE in both,
+unshard()ed across its chunks), torchtitan's order of steps (a warm-up, a validation, then the
+capture; its units, the last kept unsharded after forward), and a checkpoint taken before the
+warm-up loaded between it and the capture. Each scenario runs run by run and captured, TIDE in both,
 and must be exact: losses, evaluations and parameters bitwise, and TIDE's all-gathers and
 reduce-scatters equal, step by step and between steps (a replay counts none: its step's
 collectives are counted once, at capture).
@@ -37,7 +38,7 @@ from tide.fsdp import _capture, _pool
 # aborted_capture last: torch's CUDA generator stays in its capture state after a capture that
 # raised (any later CUDA random number raises), and every scenario builds its model with one.
 SCENARIOS = ("reference_model", "reference_model_before_too", "eval_only_module", "teardown_then_gather",
-             "chunked_loss", "validation_before_capture", "aborted_capture")
+             "chunked_loss", "validation_before_capture", "checkpoint_loaded", "aborted_capture")
 STEPS = 8  # a warm-up, a capture and >= 5 replays
 CAPTURE_STEP = 1
 FAKE_CAPTURE = 77  # the CPU stand-in for a CUDA capture id
@@ -239,6 +240,7 @@ def scenario(rank: int, world: int, device, name: str, captured: bool) -> dict:
         return loss.detach()
 
     steps = Steps(fwd_bwd, captured, device, abort=name == "aborted_capture")
+    checkpoint = {}
     out = {"losses": [], "evals": [], "step_counts": [], "between_counts": [], "foreign": [],
            "handled": len(handle.buckets), "fallbacks": handle.fallbacks}
 
@@ -268,6 +270,11 @@ def scenario(rank: int, world: int, device, name: str, captured: bool) -> dict:
         elif name == "validation_before_capture" and i in (0, STEPS - 1):  # torchtitan's first, after the warm-up
             # (validations between replays: test_fsdp_cuda_graphs_between.py; on CPU, where
             # nothing replays, a step after the capture runs uncaptured on the captured windows)
+            out["evals"].append(_evaluate(cfg, model, eval_gen, device, _next_token))
+        elif name == "checkpoint_loaded" and i == -1:  # the sharded state dict, copied
+            checkpoint.update((k, v.detach().clone()) for k, v in model.state_dict().items())
+        elif name == "checkpoint_loaded" and i == 0:  # a resume into the warmed-up model (in place)
+            model.load_state_dict(checkpoint)
             out["evals"].append(_evaluate(cfg, model, eval_gen, device, _next_token))
         elif name == "aborted_capture" and i >= CAPTURE_STEP:
             out["evals"].append(_evaluate(cfg, model, eval_gen, device, _next_token))
@@ -323,11 +330,12 @@ def check(runs, name: str, replays: bool) -> None:
             expected[CAPTURE_STEP + 1:last + 1] = [(0, 0)] * (last - CAPTURE_STEP)
         if name == "aborted_capture":  # run by run does not run the failed step; captured, it ran to the raise
             expected[CAPTURE_STEP] = mine["step_counts"][CAPTURE_STEP]
-        if name == "validation_before_capture":
-            # Run by run, a step after a validation gathers once less (the [norm, head] unit the
-            # validation left unsharded) and nothing more: its backward prefetches no unit by the
-            # validation's forwards (FSDP2's record of them, whose backward never comes, would
-            # have it gather [norm, head] again after its backward, for nothing).
+        if name in ("validation_before_capture", "checkpoint_loaded"):
+            # An evaluation before the capture. Run by run, the step after it gathers once less
+            # (the unit it left unsharded: [norm, head], or the root) and nothing more: its
+            # backward prefetches no unit by the evaluation's forwards (FSDP2's record of them,
+            # whose backward never comes, would have it gather that unit again after its
+            # backward, for nothing).
             first = eager["step_counts"][0]
             after_validation = [(first[0] - 1, first[1]) if i == 1 else first for i in range(STEPS)]
             assert eager["step_counts"] == after_validation, (where, eager["step_counts"])
