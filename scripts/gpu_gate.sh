@@ -24,8 +24,8 @@
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck (scripts/gpu_suite.sh sanitize)
 #
 #   scripts/gpu_gate.sh first second    the whole gate in two invocations (FIRST and SECOND below),
-#                                       each meant to end within ten minutes (not yet timed as
-#                                       grouped: docs/testing.md has the stage times measured)
+#                                       each within ten minutes on one H100 (docs/testing.md has
+#                                       the stage times)
 #   scripts/gpu_gate.sh [stage ...]     (default: every stage, in that order, in one invocation)
 #   scripts/gpu_gate.sh a+b+c           stages a, b and c side by side (each one's output in
 #                                       $OUT/gate_stage_<name>.txt), then their results
@@ -303,7 +303,7 @@ touched() {
       tests/gpu/* | testing/* | tests/CMakeLists.txt) add build cpp sanitize ;;
       python/*) add build python bench presets titan ;;
       scripts/torchtitan_wrapper.sh) add build python titan ;;
-      scripts/torchtitan_gpu.sh | tests/python/torchtitan_* | tests/python/capture_trace.py) add build titan ;;
+      scripts/torchtitan_gpu.sh | tests/python/torchtitan_*) add build titan ;;
       tests/python/*) add build python ;;
     esac
   done < <(git -C "$ROOT" diff --name-only "$base" -- .; git -C "$ROOT" ls-files --others --exclude-standard)

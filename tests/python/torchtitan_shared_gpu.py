@@ -218,10 +218,6 @@ def main() -> None:
 
     if torch.cuda.is_available():
         install_gloo_process_group()
-        if os.environ.get("TIDE_CAPTURE_TRACE") == "1":
-            import capture_trace
-
-            capture_trace.install()
     else:
         torchtitan_cpu.install_config_shims()
     if install_datasets_stub():
